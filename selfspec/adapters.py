@@ -1,0 +1,128 @@
+"""Model-family adapters: the one place that knows how a family's decoder layer is wired.
+
+selfspec runs a Hugging Face decoder sublayer by sublayer (so attention and MLP can be
+skipped separately) by calling the model's own modules: its embedding, its attention
+module (which writes keys and values through our cache object), its MLP, its norms and
+its head. Nothing in transformers is patched; an adapter only says how the pieces of one
+family fit together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from selfspec.errors import SelfSpecError
+from selfspec.plan import ModelIdentity
+
+
+class DecoderAdapter:
+    """Pre-norm decoder (llama, qwen2, mistral): h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        self.num_layers = len(self.layers)
+        attn0 = self.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.num_kv_heads = self.config.num_key_value_heads
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.sliding_window = getattr(self.config, "sliding_window", None)
+
+    # -- pieces of the forward pass -------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(input_ids)
+
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """cos/sin per layer type, keyed by layer type ({'full_attention': (cos, sin)} here)."""
+        rope = self.decoder.rotary_emb(hidden, position_ids)
+        return {t: rope for t in set(self.layer_types)}
+
+    def attention(self, i: int, hidden, rope: dict, mask, cache) -> torch.Tensor:
+        layer = self.layers[i]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden),
+            position_embeddings=rope[self.layer_types[i]],
+            attention_mask=mask,
+            past_key_values=cache,
+        )
+        return hidden + out
+
+    def mlp(self, i: int, hidden) -> torch.Tensor:
+        layer = self.layers[i]
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden) -> torch.Tensor:
+        return self.model.lm_head(self.decoder.norm(hidden))
+
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    # -- identity --------------------------------------------------------------------------
+    def identity(self, name: str) -> ModelIdentity:
+        return ModelIdentity(
+            name=name, architecture=self.config.model_type, num_layers=self.num_layers,
+            fingerprint=weight_fingerprint(self.model),
+        )
+
+
+class Gemma3Adapter(DecoderAdapter):
+    """Gemma 3: sandwich norms around each sublayer, local/global RoPE per layer type, logit softcap."""
+
+    def position_embeddings(self, hidden, position_ids) -> dict:
+        return {t: self.decoder.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
+
+    def attention(self, i, hidden, rope, mask, cache):
+        layer = self.layers[i]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden),
+            position_embeddings=rope[self.layer_types[i]],
+            attention_mask=mask,
+            past_key_values=cache,
+        )
+        return hidden + layer.post_attention_layernorm(out)
+
+    def mlp(self, i, hidden):
+        layer = self.layers[i]
+        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+
+    def logits(self, hidden):
+        logits = self.model.lm_head(self.decoder.norm(hidden))
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+_ADAPTERS = {
+    "llama": DecoderAdapter,
+    "qwen2": DecoderAdapter,
+    "mistral": DecoderAdapter,
+    "gemma3_text": Gemma3Adapter,
+}
+
+
+def adapter_for(model) -> DecoderAdapter:
+    model_type = model.config.model_type
+    cls = _ADAPTERS.get(model_type)
+    if cls is None:
+        raise SelfSpecError(
+            f"selfspec has no adapter for model type '{model_type}'. Supported: {', '.join(sorted(_ADAPTERS))}."
+        )
+    return cls(model)
+
+
+def weight_fingerprint(model) -> str:
+    """A short hash of config shape and a few weights, stable across float32/bfloat16 loads."""
+    config = model.config
+    digest = hashlib.sha256()
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        digest.update(f"{key}={getattr(config, key, None)};".encode())
+    embed = model.get_input_embeddings().weight
+    for row in (0, embed.shape[0] // 2, embed.shape[0] - 1):
+        sample = embed[row, :32].detach().to("cpu", torch.bfloat16).float()
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]

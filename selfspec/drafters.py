@@ -1,0 +1,133 @@
+"""Drafters: anything that proposes the next few tokens, behind one small interface.
+
+The decode loop calls ``begin`` once per generation, ``propose`` once per round and
+``observe`` with the outcome. A new drafter is a new class here, never a new loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.runner import ModelRunner, Resume
+from selfspec.sampling import Sampling
+
+
+@dataclass
+class DraftRequest:
+    """What the loop tells a drafter each round."""
+
+    committed: list[int]  # every token so far, prompt included; the last one is not yet in the target cache
+    max_tokens: int
+    threshold: float  # stop when the drafter's top probability falls below this
+    sampling: Sampling
+    generator: torch.Generator | None
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(tokens), vocab]: q each token was drawn from (sampling only)
+    resume: Resume | None = None  # hidden states the verify pass can start from (self-drafting only)
+
+
+class Drafter:
+    """Interface. ``propose`` may return an empty draft: the round is then a plain decoding step."""
+
+    name = "drafter"
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        pass
+
+    def propose(self, request: DraftRequest) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def _draft_loop(step, first_token: int, request: DraftRequest):
+    """Shared autoregressive drafting: ``step(token, offset)`` returns (logits [vocab], extra).
+
+    Stops at max_tokens, or before proposing a token whose drafter confidence is below threshold.
+    Returns (tokens, probs list, extras list); extras has one entry per step run.
+    """
+    tokens, probs, extras = [], [], []
+    token = first_token
+    for offset in range(request.max_tokens):
+        logits, extra = step(token, offset)
+        extras.append(extra)
+        q = request.sampling.probs(logits)
+        if float(q.max()) < request.threshold:
+            break
+        token = int(torch.argmax(logits)) if request.sampling.greedy else int(
+            torch.multinomial(q, 1, generator=request.generator))
+        tokens.append(token)
+        probs.append(q)
+    return tokens, probs, extras
+
+
+class SelfSkipDrafter(Drafter):
+    """The target drafts for itself with a plan's sublayers skipped, writing into the shared cache.
+
+    Sublayers before the first skipped one compute exactly what the full model computes, so
+    the hidden state entering it is kept and the verify pass resumes from there.
+    """
+
+    name = "self_speculative"
+
+    def __init__(self, runner: ModelRunner, plan):
+        self.runner = runner
+        self.plan = plan
+        self.skip_attention = frozenset(plan.skip_attention)
+        self.skip_mlp = frozenset(plan.skip_mlp)
+        self.resume_at = plan.first_skipped_sublayer()
+
+    def propose(self, request: DraftRequest) -> Draft:
+        start = len(request.committed) - 1  # position of the pending token
+
+        def step(token, offset):
+            ids = torch.tensor([token])
+            logits, hidden = self.runner.forward(
+                ids, start + offset, self.skip_attention, self.skip_mlp, capture_at=self.resume_at)
+            return logits[-1], hidden
+
+        tokens, probs, hiddens = _draft_loop(step, request.committed[-1], request)
+        resume = None
+        if self.resume_at > 0 and hiddens:
+            rows = min(len(hiddens), len(tokens) + 1)  # verify scores the pending token plus the drafts
+            resume = Resume(self.resume_at, torch.cat(hiddens[:rows], dim=1))
+        return Draft(tokens, torch.stack(probs) if probs and not request.sampling.greedy else None, resume)
+
+
+class ModelDrafter(Drafter):
+    """A separate, smaller model with the same tokenizer and a cache of its own (dual-model drafting)."""
+
+    name = "dual_model"
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.fed: list[int] = []  # tokens whose keys/values are in the draft cache, in order
+
+    def begin(self, prompt_ids: list[int], max_len: int) -> None:
+        self.runner.reset(max_len)
+        self.fed = []
+
+    def propose(self, request: DraftRequest) -> Draft:
+        committed = request.committed
+        valid = 0  # the draft cache is good up to the first token that differs from what was committed
+        limit = min(len(self.fed), len(committed) - 1)
+        while valid < limit and self.fed[valid] == committed[valid]:
+            valid += 1
+        catch_up = committed[valid:]
+        self.fed = committed[:valid]
+
+        def step(token, offset):
+            feed = catch_up if offset == 0 else [token]
+            logits, _ = self.runner.forward(torch.tensor(feed), len(self.fed))
+            self.fed.extend(feed)
+            return logits[-1], None
+
+        tokens, probs, _ = _draft_loop(step, committed[-1], request)
+        return Draft(tokens, torch.stack(probs) if probs and not request.sampling.greedy else None)

