@@ -1,0 +1,138 @@
+"""Measure what speculation costs: cached forward passes over 1..16 tokens, and a draft step.
+
+Speculative decoding pays only when scoring k+1 tokens in one pass costs about one pass,
+and a draft step costs much less than a target step. This prints both, for selfspec's
+runner and for plain transformers on the same weights (200-token cached prefix, median of
+several repeats), and the draft length those costs imply for a given acceptance rate.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+def add_arguments(parser) -> None:
+    from selfspec.cli import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument("--plan", default=None, help="plan whose draft step to time (default: the committed plan)")
+    parser.add_argument("--prefix", type=int, default=200, help="cached prefix length (default 200)")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement; the median is reported")
+    parser.add_argument("--acceptance", type=float, default=None,
+                        help="per-token draft acceptance for the best-draft-length estimate (default: the plan's measured one, else 0.8)")
+    parser.add_argument("--json", action="store_true")
+
+
+def _median_ms(fn, repeats: int) -> float:
+    import torch
+
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, acceptance: float | None = None) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    runner, model = engine.runner, engine.loaded.model
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix_ids = torch.randint(100, min(vocab, 30000), (prefix,), generator=gen)
+    new_ids = torch.randint(100, min(vocab, 30000), (max(SIZES),), generator=gen)
+    runner.reset(prefix + max(SIZES) + 1)
+    runner.forward(prefix_ids, 0, last_logits_only=True)
+
+    forward_ms = {str(n): _median_ms(lambda n=n: runner.forward(new_ids[:n], prefix), repeats) for n in SIZES}
+
+    hf_cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(prefix_ids[None].to(runner.device), past_key_values=hf_cache, use_cache=True)
+
+    def hf_step(n):
+        with torch.inference_mode():
+            model(new_ids[None, :n].to(runner.device), past_key_values=hf_cache, use_cache=True)
+        hf_cache.crop(prefix)
+
+    hf_forward_ms = {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
+
+    result = {
+        "model": engine.loaded.name,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "prefix": prefix,
+        "forward_ms": forward_ms,
+        "hf_forward_ms": hf_forward_ms,
+        "verify_ratio_8_over_1": forward_ms["8"] / forward_ms["1"],
+        "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
+    }
+    if plan is not None:
+        skip_a, skip_m = frozenset(plan.skip_attention), frozenset(plan.skip_mlp)
+        draft_ms = _median_ms(lambda: runner.forward(new_ids[:1], prefix, skip_a, skip_m), repeats)
+        alpha = acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
+        result.update(draft_step_ms=draft_ms, draft_cost_ratio=draft_ms / forward_ms["1"],
+                      acceptance_assumed=alpha, **best_draft_length(alpha, draft_ms, forward_ms))
+    return result
+
+
+def best_draft_length(alpha: float, draft_ms: float, forward_ms: dict) -> dict:
+    """Draft length k maximising expected tokens per ms with i.i.d. per-token acceptance alpha.
+
+    Expected tokens per round = (1 - alpha^(k+1)) / (1 - alpha); a round costs k draft steps
+    plus one verify pass over k+1 tokens (interpolated from the measured sizes).
+    """
+    sizes = sorted(int(s) for s in forward_ms)
+
+    def verify_ms(m):
+        lo = max([s for s in sizes if s <= m], default=sizes[0])
+        hi = min([s for s in sizes if s >= m], default=sizes[-1])
+        if hi == lo:
+            return forward_ms[str(lo)]
+        w = (m - lo) / (hi - lo)
+        return forward_ms[str(lo)] * (1 - w) + forward_ms[str(hi)] * w
+
+    best = (0, 1.0 / forward_ms["1"])
+    for k in range(1, 16):
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+        rate = tokens / (k * draft_ms + verify_ms(k + 1))
+        if rate > best[1]:
+            best = (k, rate)
+    return {"best_draft_length": best[0], "predicted_speedup": best[1] * forward_ms["1"]}
+
+
+def run(args) -> int:
+    from selfspec.cli import resolve_plan, torch_dtype
+    from selfspec.engine import Engine
+
+    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    args.no_plan, args.skip_attention, args.skip_mlp = False, None, None
+    plan = resolve_plan(engine, args)
+    result = profile_engine(engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{result['model']} on {result['device']} ({result['dtype']}, {result['threads']} threads), "
+          f"{result['prefix']}-token cached prefix, median of {args.repeats}")
+    print(f"{'tokens':>6} {'selfspec ms':>12} {'transformers ms':>16} {'ratio to 1 token':>17}")
+    for n in SIZES:
+        s, h = result["forward_ms"][str(n)], result["hf_forward_ms"][str(n)]
+        print(f"{n:>6} {s:>12.1f} {h:>16.1f} {s / result['forward_ms']['1']:>17.2f}")
+    if plan is not None:
+        print(f"draft step ({len(plan.skip_attention)} attention + {len(plan.skip_mlp)} MLP sublayers skipped): "
+              f"{result['draft_step_ms']:.1f} ms = {result['draft_cost_ratio']:.2f} of a full step")
+        print(f"at acceptance {result['acceptance_assumed']:.2f}: best draft length {result['best_draft_length']}, "
+              f"predicted speedup {result['predicted_speedup']:.2f}x")
+    return 0

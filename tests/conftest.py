@@ -1,0 +1,46 @@
+"""Shared fixtures. Real models load once per session (first use downloads and converts them)."""
+
+import os
+
+os.environ.setdefault("SELFSPEC_NO_PROGRESS", "1")
+
+import selfspec  # noqa: E402,F401  (sets MKL_CBWR before torch)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from selfspec.engine import Engine
+
+    return Engine.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen05():
+    from selfspec.engine import Engine
+
+    return Engine.load("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A randomly initialised 4-layer llama with a 64-token vocabulary, for fast exact-distribution tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from selfspec.engine import Engine
+    from selfspec.models import LoadedModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "sdpa"
+    vocab = {f"t{i}": i for i in range(64)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    return Engine(LoadedModel("tiny-llama", model, tokenizer, path="<memory>"))

@@ -1,0 +1,114 @@
+"""Sampling stays lossless: emitted tokens follow the target's distribution (chi-square tests).
+
+Each test also runs with the residual rule broken on purpose and must then reject, so the
+tests can fail.
+"""
+
+import pytest
+import torch
+
+from selfspec import decode
+from selfspec.sampling import Sampling, accept_sampled, sample
+
+SIGNIFICANCE = 1e-3
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of observed counts under probs (bins with expected < 5 are pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    obs, exp = obs[keep].double(), exp[keep].double()
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def broken_accept(draft_tokens, draft_probs, target_probs, generator):
+    """The classic bug: on rejection, resample from p instead of norm(max(0, p - q))."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i, token], draft_probs[i, token]
+        if torch.rand((), generator=generator) * q <= p:
+            continue
+        return i, sample(target_probs[i], generator)
+    return len(draft_tokens), sample(target_probs[len(draft_tokens)], generator)
+
+
+def first_token_counts(accept, p, q, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros_like(p)
+    for _ in range(n):
+        d = sample(q, gen)
+        m, nxt = accept([d], q[None], torch.stack([p, p]), gen)
+        counts[d if m == 1 else nxt] += 1
+    return counts
+
+
+def test_acceptance_rule_reproduces_target_distribution():
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    q = torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4])  # a bad drafter: mostly wrong
+    counts = first_token_counts(accept_sampled, p, q, 8000)
+    assert chi_square_p_value(counts, p) > SIGNIFICANCE
+    broken = first_token_counts(broken_accept, p, q, 8000)
+    assert chi_square_p_value(broken, p) < SIGNIFICANCE
+
+
+def test_top_k_top_p_warping():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    probs = Sampling(temperature=1.0, top_k=2).probs(logits)
+    assert (probs[2:] == 0).all() and probs[:2].sum() == pytest.approx(1.0)
+    full = torch.softmax(logits, -1)
+    probs = Sampling(temperature=1.0, top_p=0.7).probs(logits)
+    assert full[0] < 0.7 <= full[:2].sum()
+    assert (probs[:2] > 0).all() and (probs[2:] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def peaked_tiny(tiny_llama):
+    """The tiny model with a sharper head, so target and draft distributions differ visibly."""
+    head = tiny_llama.loaded.model.lm_head.weight
+    with torch.no_grad():
+        original = head.clone()
+        head.mul_(60.0)
+    yield tiny_llama
+    with torch.no_grad():
+        head.copy_(original)
+
+
+def exact_second_token_marginal(engine, prompt, sampling):
+    """P(x2) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1), computed exactly."""
+    model = engine.loaded.model
+    with torch.inference_mode():
+        p1 = sampling.probs(model(torch.tensor([prompt])).logits[0, -1])
+        batch = torch.tensor([prompt + [x] for x in range(p1.shape[0])])
+        p2 = sampling.probs(model(batch).logits[:, -1])
+    return (p1[:, None] * p2).sum(0)
+
+
+def second_token_counts(engine, prompt, sampling, plan, n):
+    config = engine.decode_config(plan, max_new_tokens=3, sampling=sampling, confidence_threshold=0.0,
+                                  adaptive_threshold=False, fallback=False, max_draft_tokens=2)
+    config.eos_token_ids = ()
+    drafter = engine.self_drafter(plan)
+    counts = torch.zeros(64)
+    for seed in range(n):
+        config.seed = seed
+        out = engine.generate(prompt, drafter, config=config)
+        counts[out.token_ids[1]] += 1
+    return counts
+
+
+def test_speculative_sampling_end_to_end_matches_target(peaked_tiny, monkeypatch):
+    engine = peaked_tiny
+    prompt = [5, 17, 33, 2]
+    sampling = Sampling(temperature=1.0)
+    plan = engine.make_plan([1, 2], [2])
+    exact = exact_second_token_marginal(engine, prompt, sampling)
+    counts = second_token_counts(engine, prompt, sampling, plan, 1500)
+    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
+    broken = second_token_counts(engine, prompt, sampling, plan, 1500)
+    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
