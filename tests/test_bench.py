@@ -1,0 +1,188 @@
+"""`selfspec bench`: every method on the same prompts, well-formed outputs, honest identity checks."""
+
+import json
+
+import pytest
+
+from selfspec import bench
+from selfspec.cli import main
+from selfspec.prompts import load_prompts
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOKENS = 10
+SUMMARY_FIELDS = ("tokens_per_second", "speedup_vs_hf_generate", "speedup_vs_autoregressive", "mean_accepted_length",
+                  "acceptance_rate", "acceptance_by_position", "identical_to_baseline")
+
+
+def broken(ctx, prompt_ids):
+    """Plain decoding with its last token changed: a lossy method the identity check must catch."""
+    run = bench.METHODS["autoregressive"].run(ctx, prompt_ids)
+    run.token_ids[-1] = (run.token_ids[-1] + 1) % ctx.engine.loaded.model.config.vocab_size
+    return run
+
+
+def light_plan(engine):
+    n = engine.identity.num_layers
+    return engine.make_plan([n // 2 - 2, n // 2, n // 2 + 2], [n // 2 + 1], provenance={"how": "test"})
+
+
+@pytest.fixture(scope="module")
+def bench_run(smollm2, tmp_path_factory):
+    """One bench over two prompts (two categories): every method that can run, plus the broken one."""
+    prompts = load_prompts("spec-bench:coding,math", limit=1)
+    result = bench.run_bench(smollm2, prompts, plan=light_plan(smollm2), draft=smollm2, max_new_tokens=TOKENS,
+                             custom_methods={"broken": broken}, progress=False)
+    out = tmp_path_factory.mktemp("bench")
+    written = bench.write_outputs(result, out)
+    return result, out, written
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_outputs(bench_run):
+    result, out, written = bench_run
+    expected = ["hf_generate", "autoregressive", "self_speculative", "dual_model", "hf_assisted", "prompt_lookup"]
+    assert list(result["methods"])[:len(expected)] == expected
+    assert "broken" in result["methods"]
+    if not bench.llama_cpp_available():
+        assert any("llama_cpp skipped" in note for note in result["notes"])
+
+    for name, m in result["methods"].items():
+        for key in SUMMARY_FIELDS + ("peak_rss_mb", "categories"):
+            assert key in m, f"{name} lacks {key}"
+        assert m["tokens_per_second"] > 0
+        assert m["peak_rss_mb"] > 50
+        assert set(m["categories"]) == {"coding", "math"}
+        for cat in m["categories"].values():
+            for key in SUMMARY_FIELDS:
+                assert key in cat
+    methods = result["methods"]
+    assert methods["hf_generate"]["speedup_vs_hf_generate"] == pytest.approx(1.0)
+    assert methods["autoregressive"]["speedup_vs_autoregressive"] == pytest.approx(1.0)
+    assert methods["autoregressive"]["mean_accepted_length"] == pytest.approx(1.0)
+    assert methods["autoregressive"]["acceptance_rate"] is None
+    for name in ("self_speculative", "dual_model"):
+        m = methods[name]
+        assert m["mean_accepted_length"] > 1.0
+        assert 0 < m["acceptance_rate"] <= 1
+        assert m["acceptance_by_position"] and all(v is None or 0 <= v <= 1 for v in m["acceptance_by_position"])
+    assert methods["hf_generate"]["acceptance_by_position"] is None
+    # Every prompt generated the same number of tokens in each honest method, EOS counted alike.
+    for row in result["prompts"]:
+        counts = {v["new_tokens"] for k, v in row["methods"].items() if k != "broken"}
+        assert len(counts) == 1 and 1 <= counts.pop() <= TOKENS
+
+    for key in ("cpu", "cores", "torch", "device", "dtype"):
+        assert key in result["machine"]
+    assert result["config"]["max_new_tokens"] == TOKENS
+    assert "psutil" in result["config"]["memory_method"]
+
+    assert {p.name for p in written} == {"bench.json", "bench.md", "speedup_by_category.png",
+                                         "acceptance_by_position.png"}
+    assert json.loads((out / "bench.json").read_text())["methods"].keys() == result["methods"].keys()
+    md = (out / "bench.md").read_text()
+    assert md == bench.format_markdown(result)
+    assert "| method | tok/s | vs hf_generate |" in md
+    for name in result["methods"]:
+        assert f"| {name} |" in md
+    for png in ("speedup_by_category.png", "acceptance_by_position.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    assert not list(out.glob(".*")), "a temporary file was left behind"
+
+
+@pytest.mark.slow
+def test_broken_method_reported_as_not_identical(bench_run):
+    result, out, _ = bench_run
+    methods = result["methods"]
+    assert methods["broken"]["identical_to_baseline"] is False
+    assert set(methods["broken"]["mismatched_prompts"]) == {p["id"] for p in result["prompts"]}
+    for cat in methods["broken"]["categories"].values():
+        assert cat["identical_to_baseline"] is False
+    for name in ("hf_generate", "autoregressive", "self_speculative", "dual_model", "hf_assisted", "prompt_lookup"):
+        assert methods[name]["identical_to_baseline"] is True, f"{name} changed the greedy output"
+    for row in result["prompts"]:
+        assert row["methods"]["broken"]["identical_to_baseline"] is False
+        assert row["methods"]["broken"]["first_difference"]["index"] == row["methods"]["broken"]["new_tokens"] - 1
+    md = (out / "bench.md").read_text()
+    assert "| broken |" in md and "**NO**" in md and "broken differs from hf_generate" in md
+
+
+@pytest.mark.slow
+def test_cli_bench_json_and_files(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 7, "category": "code", "turns": ["def add(a, b):"]}) + "\n")
+    code = main(["bench", "--model", "smollm2-135m", "--skip-attention", "12,14", "--prompts", str(prompts),
+                 "--methods", "autoregressive,self_speculative", "--max-new-tokens", "6", "--no-chat",
+                 "--out", str(tmp_path / "out"), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data["methods"]) == ["hf_generate", "autoregressive", "self_speculative"]
+    assert all(m["identical_to_baseline"] is True for m in data["methods"].values())
+    assert data["config"]["chat_template"] is False and data["config"]["prompt_spec"] == str(prompts)
+    assert data["config"]["plan"]["skip_attention"] == [12, 14]
+    assert any("hf_generate added" in note for note in data["notes"])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "acceptance_by_position.png", "bench.json", "bench.md", "speedup_by_category.png"]
+
+
+def test_cli_rejects_unknown_method(capsys):
+    assert main(["bench", "--model", "smollm2-135m", "--methods", "autoregressive,warp_drive"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown method(s) warp_drive")
+
+
+@pytest.mark.parametrize("flag,value", [("--repeats", "0"), ("--limit", "0"), ("--max-new-tokens", "0")])
+def test_cli_rejects_bad_counts(flag, value, capsys):
+    assert main(["bench", flag, value]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {flag} must be at least 1")
+
+
+@pytest.mark.slow
+def test_explicit_dual_model_without_draft_is_an_error(smollm2):
+    from selfspec.errors import SelfSpecError
+
+    with pytest.raises(SelfSpecError, match="cannot run dual_model: no draft model"):
+        bench.run_bench(smollm2, ["Hello"], ["dual_model"], plan=light_plan(smollm2), explicit=True, progress=False)
+    # Not asked for by name: skipped with a note instead.
+    result = bench.run_bench(smollm2, ["Hello"], plan=light_plan(smollm2), max_new_tokens=2,
+                             progress=False, chat=False)
+    assert "dual_model" not in result["methods"] and "hf_assisted" not in result["methods"]
+    assert any(note.startswith("dual_model skipped") for note in result["notes"])
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: 'decodes' a fixed sequence, so only the plumbing is tested."""
+
+    instances = []
+
+    def __init__(self, model_path, n_threads, n_ctx, verbose):
+        self.kwargs = dict(model_path=model_path, n_threads=n_threads, n_ctx=n_ctx)
+        FakeLlama.instances.append(self)
+
+    def token_eos(self):
+        return 99
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, **kwargs):
+        assert kwargs["top_k"] == 1 and kwargs["temp"] == 0.0
+        yield from [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.slow
+def test_llama_cpp_method_plumbing(smollm2, tmp_path, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(bench, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(bench, "gguf_path_for", lambda name: tmp_path / f"{name}.gguf")
+    result = bench.run_bench(smollm2, ["Hello"], ["hf_generate", "llama_cpp"], max_new_tokens=4, chat=False,
+                             explicit=True, progress=False)
+    m = result["methods"]["llama_cpp"]
+    assert m["identical_to_baseline"] == "n/a" and m["categories"]["all"]["identical_to_baseline"] == "n/a"
+    assert result["prompts"][0]["methods"]["llama_cpp"]["new_tokens"] == 4
+    assert FakeLlama.instances[-1].kwargs["n_threads"] == 2
+    assert FakeLlama.instances[-1].kwargs["model_path"].endswith("smollm2-135m.gguf")
+    assert "| llama_cpp |" in bench.format_markdown(result) and "| n/a |" in bench.format_markdown(result)
