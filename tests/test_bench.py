@@ -186,3 +186,15 @@ def test_llama_cpp_method_plumbing(smollm2, tmp_path, monkeypatch):
     assert FakeLlama.instances[-1].kwargs["n_threads"] == 2
     assert FakeLlama.instances[-1].kwargs["model_path"].endswith("smollm2-135m.gguf")
     assert "| llama_cpp |" in bench.format_markdown(result) and "| n/a |" in bench.format_markdown(result)
+
+
+@pytest.mark.slow
+def test_draft_model_with_another_tokenizer_fails_before_running(smollm2):
+    from selfspec.errors import SelfSpecError
+
+    def must_not_run(ctx, prompt_ids):
+        raise AssertionError("a method ran before the draft model was checked")
+
+    with pytest.raises(SelfSpecError, match="does not share smollm2-135m's tokenizer"):
+        bench.run_bench(smollm2, ["Hello"], ["dual_model", "early"], draft="qwen2.5-coder-0.5b", max_new_tokens=2,
+                        custom_methods={"early": must_not_run}, explicit=True, progress=False)
