@@ -24,9 +24,10 @@ speed model built from measured quantities:
 
 Trials whose draft agrees with the target on fewer than 30% of positions after the first
 prompt are pruned. Afterwards the best --confirm distinct trials are timed for real (greedy
-generation, interleaved with plain decoding, prompt by prompt) and the truly fastest one
-(median per-prompt speedup) is written to --out with its provenance, beside a report.md and
-an importance.png.
+generation, interleaved with plain decoding, prompt by prompt, with the decode loop's
+fallback to plain decoding off so each plan's own speed is measured) and the truly fastest
+one (median per-prompt speedup) is written to --out with its provenance, beside a report.md
+and an importance.png.
 
 Resuming: the study lives in an Optuna storage, by default a SQLite file beside the plan
 (search/<model>/study.db), under a name derived from the model and the calibration settings.
@@ -53,7 +54,6 @@ import argparse
 import datetime as _dt
 import hashlib
 import json
-import math
 import os
 import re
 import shlex
@@ -297,11 +297,17 @@ def measure_costs(runner, context_ids: list[int], repeats: int = 5, sizes: Seque
     med = {name: min(v) for name, v in times.items()}
     verify_med = _non_decreasing([min(vt[k]) for k in sizes])
     verify_base_med = _non_decreasing([min(vb[k]) for k in sizes])
+    # Split the layer stack's cost (full minus nothing) between attention and MLP in the measured
+    # proportion, so a draft that skips nothing costs exactly a plain step.
+    stack = max(0.0, med["full"] - med["none"])
+    raw_attention = max(0.0, med["full"] - med["no_attention"])
+    raw_mlp = max(0.0, med["full"] - med["no_mlp"])
+    share = raw_attention / (raw_attention + raw_mlp) if raw_attention + raw_mlp > 0 else 0.5
     return CostModel(
         full_step=med["full"],
         base_step=med["none"],
-        attention=max(0.0, (med["full"] - med["no_attention"]) / L),
-        mlp=max(0.0, (med["full"] - med["no_mlp"]) / L),
+        attention=stack * share / L,
+        mlp=stack * (1 - share) / L,
         num_layers=L,
         verify_sizes=list(sizes),
         verify=verify_med,
@@ -445,6 +451,19 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
 
+def _storage_text(url: str) -> str:
+    """The storage URL to show and record: password redacted, a SQLite file under the working folder relative."""
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite:///"):])
+        try:
+            if path.is_absolute():
+                return "sqlite:///" + str(path.relative_to(Path.cwd()))
+        except ValueError:
+            pass
+        return url
+    return redact(url)
+
+
 def _silence_optuna():
     import logging
     import warnings
@@ -545,27 +564,36 @@ def _plan_key(params: dict) -> str:
 # ====================================================================== confirmation
 
 
-def confirm_plans(engine, items: list[CalibrationItem], plans: list, tokens: int, log=None) -> list[dict]:
+def confirm_plans(engine, items: list[CalibrationItem], plans: list, tokens: int, log=None,
+                  fallback: bool = False) -> list[dict]:
     """Real greedy generation with each plan vs plain decoding, interleaved prompt by prompt.
 
-    Returns one dict per plan: median per-prompt decode speedup (prefill excluded), the same
-    end to end, mean accepted length, acceptance rate and whether every output was identical.
+    With ``fallback`` False (the default) the decode loop's switch to plain decoding is off, so
+    the figures are each plan's own speed (what the speed model predicts), not a blend with
+    plain decoding. Returns one dict per plan: median per-prompt decode speedup (prefill
+    excluded), the same end to end, mean accepted length, acceptance rate and whether every
+    output was identical to plain decoding.
     """
     drafters = [engine.self_drafter(plan) for plan in plans]
+    configs = [engine.decode_config(plan, max_new_tokens=tokens, fallback=fallback) for plan in plans]
+    warm_configs = [engine.decode_config(plan, max_new_tokens=min(8, tokens), fallback=fallback) for plan in plans]
     runs = [[] for _ in plans]
     plain_runs = []
     # Warm-up: the first generations after a search pay for allocations.
     warm = items[0].prompt_ids
     engine.generate(list(warm), None, max_new_tokens=min(8, tokens))
-    for d in drafters:
-        engine.generate(list(warm), d, max_new_tokens=min(8, tokens))
+    for d, c in zip(drafters, warm_configs):
+        engine.generate(list(warm), d, config=c)
     for p_index, item in enumerate(items):
         order = list(range(-1, len(plans)))
         shift = p_index % len(order)
         order = order[shift:] + order[:shift]  # rotate so no method always runs first
         results = {}
         for m in order:
-            results[m] = engine.generate(list(item.prompt_ids), None if m < 0 else drafters[m], max_new_tokens=tokens)
+            if m < 0:
+                results[m] = engine.generate(list(item.prompt_ids), None, max_new_tokens=tokens)
+            else:
+                results[m] = engine.generate(list(item.prompt_ids), drafters[m], config=configs[m])
         plain_runs.append(results[-1])
         for m in range(len(plans)):
             runs[m].append(results[m])
@@ -595,6 +623,7 @@ def confirm_plans(engine, items: list[CalibrationItem], plans: list, tokens: int
             "per_prompt_speedup": [round(r, 3) for r in decode_ratios],
             "mean_accepted_length": round(new_tokens / passes, 4) if passes else 0.0,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "fallback": fallback,
             "fell_back": sum(1 for run in runs[m] if run.stats.fell_back),
             "identical_output": identical,
             "plain_tokens_per_second": round(_median([p.stats.tokens_per_second for p in plain_runs]), 3),
@@ -717,6 +746,7 @@ def search_plan(
     seed: int = 0,
     timeout: float | None = None,
     confirm: int = DEFAULT_CONFIRM,
+    confirm_fallback: bool = False,
     chat: bool | None = None,
     min_agreement: float = MIN_AGREEMENT,
     cost_repeats: int = 5,
@@ -734,9 +764,10 @@ def search_plan(
     beside ``out``); the study named ``study_name`` (default from the model and calibration) is resumed if it
     exists, and only ``trials`` minus its finished trials are run. ``chat``: wrap prompts in the chat template
     (None: when the tokenizer has one, as `selfspec bench` does). ``confirm``: how many of the best distinct
-    trials to time for real (0: trust the speed model). ``callbacks`` go to study.optimize.
+    trials to time for real (0: trust the speed model), with the decode loop's fallback to plain decoding off
+    unless ``confirm_fallback``. ``callbacks`` go to study.optimize.
     """
-    from selfspec.plan import DraftPolicy, SkipPlan, load_plan, check_plan_matches
+    from selfspec.plan import DraftPolicy, check_plan_matches, load_plan
     from selfspec.prompts import Prompt, load_prompts
 
     log = log or (lambda message: None)
@@ -786,7 +817,7 @@ def search_plan(
     optuna = _silence_optuna()
     if storage is None:
         storage = f"sqlite:///{folder / 'study.db'}"
-    storage_text = redact(storage) if isinstance(storage, str) else type(storage).__name__
+    storage_text = _storage_text(storage) if isinstance(storage, str) else type(storage).__name__
     storage_obj = open_storage(storage) if isinstance(storage, str) else storage
 
     key = calibration_key(engine, prompt_ids, tokens)
@@ -900,8 +931,14 @@ def search_plan(
                 pass
 
         try:
+            from optuna.study import MaxTrialsCallback
+            from optuna.trial import TrialState
+
+            # n_trials bounds this process; MaxTrialsCallback stops it too once other workers sharing
+            # the study have brought it to --trials finished trials.
+            stop_at_total = MaxTrialsCallback(trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
             study.optimize(objective, n_trials=remaining, timeout=timeout,
-                           callbacks=[update_bar, *callbacks], gc_after_trial=False)
+                           callbacks=[update_bar, stop_at_total, *callbacks], gc_after_trial=False)
         except KeyboardInterrupt:
             interrupted = True
             log("interrupted: keeping the best plan found so far")
@@ -918,13 +955,16 @@ def search_plan(
         sa, sm, policy = plan_args(trial.params, L)
         return engine.make_plan(sa, sm, DraftPolicy(**policy), provenance=extra or {"how": "selfspec search"})
 
-    candidates = ranked[: max(1, confirm)]
+    # A draft that skips nothing is the model itself: a baseline trial, never a plan worth writing.
+    skipping = [t for t in ranked if any(plan_args(t.params, L)[:2])]
+    candidates = (skipping or ranked)[: max(1, confirm)]
     confirmations: list[dict] = []
     chosen_index = 0
     if confirm and not interrupted:
         log(f"confirming the best {len(candidates)} trial(s) by real generation against plain decoding")
         try:
-            confirmations = confirm_plans(engine, items, [make_plan(t) for t in candidates], tokens, log)
+            confirmations = confirm_plans(engine, items, [make_plan(t) for t in candidates], tokens, log,
+                                          fallback=confirm_fallback)
             for c, t in zip(confirmations, candidates):
                 c["trial"] = t.number
                 c["predicted_speedup"] = round(t.value, 4)
@@ -960,6 +1000,7 @@ def search_plan(
         "measured_speedup_end_to_end": chosen["measured_speedup_end_to_end"] if chosen else None,
         "mean_accepted_length": chosen["mean_accepted_length"] if chosen else None,
         "acceptance_rate": chosen["acceptance_rate"] if chosen else None,
+        "measured_with_fallback": confirm_fallback if chosen else None,
         "beats_plain_decoding": beats,
         "interrupted": interrupted,
     }
@@ -1093,8 +1134,10 @@ def write_report_md(study, ranked: list, result: SearchResult, engine, path: Pat
         f"{prov.get('predicted_acceptance_rate')}, predicted mean accepted length {prov.get('predicted_mean_accepted_length')}",
     ]
     if result.measured_speedup is not None:
+        fallback_note = ("with the decode loop's fallback to plain decoding on" if prov.get("measured_with_fallback")
+                         else "fallback to plain decoding off, so this is the plan's own speed")
         lines += [
-            f"- measured speedup (real greedy generation, median over prompts, decode phase): "
+            f"- measured speedup (real greedy generation, median over prompts, decode phase, {fallback_note}): "
             f"**{result.measured_speedup:.2f}x** ({prov.get('measured_speedup_end_to_end'):.2f}x end to end with prefill)",
             f"- measured mean accepted length {prov.get('mean_accepted_length'):.2f}, acceptance "
             f"{prov.get('acceptance_rate'):.2f}",
@@ -1114,13 +1157,19 @@ def write_report_md(study, ranked: list, result: SearchResult, engine, path: Pat
                       f"k={k}: {v * 1e3:.0f} ms" for k, v in zip(costs.verify_sizes, costs.verify))]
     if result.confirmations:
         lines += ["", "## Confirmation (real generation vs plain decoding, interleaved)", "",
-                  "| trial | predicted | measured (median) | end to end | per prompt | mean accepted | acceptance | identical | chosen |",
-                  "|---:|---:|---:|---:|---|---:|---:|:---:|:---:|"]
+                  "Each candidate and plain decoding generate on every calibration prompt, prompt by prompt in "
+                  "rotating order; speedup = plain decode seconds / plan decode seconds (prefill excluded), median "
+                  "over prompts. The speed model predicts speculation throughout; "
+                  + ("here the fallback to plain decoding was on, which lifts plans slower than plain towards 1.0x."
+                     if result.confirmations[0].get("fallback") else "so is this measurement (fallback off)."), "",
+                  "| trial | predicted | measured (median) | end to end | per prompt | mean accepted | acceptance | fell back | identical | chosen |",
+                  "|---:|---:|---:|---:|---|---:|---:|---:|:---:|:---:|"]
         for c in result.confirmations:
             lines.append(
                 f"| {c['trial']} | {c['predicted_speedup']:.2f}x | {c['measured_speedup']:.2f}x | "
                 f"{c['measured_speedup_end_to_end']:.2f}x | {' '.join(f'{r:.2f}' for r in c['per_prompt_speedup'])} | "
                 f"{c['mean_accepted_length']:.2f} | {c['acceptance_rate']:.2f} | "
+                f"{c['fell_back'] if c.get('fallback') else 'off'} | "
                 f"{'yes' if c['identical_output'] else 'NO'} | {'yes' if c.get('chosen') else ''} |")
     lines += ["", "## Top trials (predicted)", "",
               "| trial | predicted | acceptance | accepted/round | agreement | attn skipped | MLP skipped | max draft | threshold | adaptive |",

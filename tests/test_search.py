@@ -301,6 +301,7 @@ def test_short_search_writes_a_valid_lossless_plan(smollm2, tmp_path):
     assert prov["trials"] == 4 and prov["dtype"] == "float32" and prov["how"] == "pytest"
     assert prov["measured_speedup"] is not None and prov["measured_speedup"] > 0
     assert result.confirmations and result.confirmations[0]["identical_output"]
+    assert result.confirmations[0]["fallback"] is False and prov["measured_with_fallback"] is False
     assert (out.parent / "report.md").is_file() and (out.parent / "importance.png").is_file()
     assert "## Top trials" in (out.parent / "report.md").read_text()
 
