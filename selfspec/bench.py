@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from selfspec.errors import SelfSpecError
+from selfspec.plan import atomic_write_bytes
 
 BASELINE = "hf_generate"
 ALL_METHODS = ("hf_generate", "autoregressive", "self_speculative", "dual_model", "hf_assisted",
@@ -676,27 +676,6 @@ def format_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def plot_results(result: dict) -> dict[str, bytes]:
     """PNG bytes by file name: speedup per category per method (bars), acceptance by draft position (lines)."""
     import io
@@ -763,7 +742,7 @@ def write_outputs(result: dict, out_dir) -> list[Path]:
     }
     written = []
     for name, data in files.items():
-        _atomic_write_bytes(out / name, data)
+        atomic_write_bytes(out / name, data)
         written.append(out / name)
     return written
 

@@ -104,7 +104,6 @@ class ModelRunner:
         a = self.adapter
         n = input_ids.shape[-1]
         ids = input_ids.view(1, n).to(self.device)
-        cache = self.cache
         if resume is not None and resume.hidden.shape[1] < n:
             # Catch the rows the resume does not cover up to the resume point (one token, usually).
             k = resume.hidden.shape[1]

@@ -53,8 +53,9 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import hashlib
-import json
+import io
 import os
+import json
 import re
 import shlex
 import statistics
@@ -65,6 +66,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from selfspec.errors import SelfSpecError
+from selfspec.plan import atomic_write_bytes
 
 DEFAULT_PROMPTS = "spec-bench:coding,math_reasoning,math"
 DEFAULT_LIMIT = 1
@@ -1097,14 +1099,12 @@ def write_importance_plot(study, num_layers: int, plan, path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.suptitle(f"{plan.model.name}: which sublayers mattered", fontsize=11)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    buffer = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        fig.savefig(buffer, format="png", dpi=110)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 
