@@ -42,8 +42,10 @@ MEMORY_METHOD = (
     "the process, so the figure includes everything loaded when that warm-up ran: warm-ups run before "
     "the draft model is loaded for methods that need only the target (hf_generate, autoregressive, "
     "self_speculative, prompt_lookup), then the draft model is loaded for dual_model and hf_assisted, "
-    "then the GGUF for llama_cpp. Memory freed by earlier methods may stay with the allocator, so "
-    "later figures are upper bounds."
+    "then the GGUF for llama_cpp. When selfspec runs a speed mode other than torch, transformers' own "
+    "methods (hf_generate, prompt_lookup, hf_assisted) get an unmodified copy of the model, loaded after "
+    "selfspec's methods of the same phase were measured, so their figures include that copy too. "
+    "Memory freed by earlier methods may stay with the allocator, so later figures are upper bounds."
 )
 
 
@@ -68,6 +70,10 @@ class BenchContext:
     eos_ids: tuple[int, ...]
     plan: object | None = None
     draft: object | None = None  # selfspec.models.LoadedModel of the draft model
+    # The same models exactly as transformers builds them, for transformers' own methods
+    # (the engine's and draft's own objects when they run speed mode "torch").
+    hf_target: object | None = None
+    hf_draft: object | None = None
     state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
 
 
@@ -80,13 +86,14 @@ class Method:
     needs: str = "target"
     checks_identity: bool = True  # False: other weights/numerics (llama_cpp), reported as "n/a"
     setup: Callable[[BenchContext], None] | None = None
+    transformers: bool = False  # runs transformers' generate: needs the unmodified model
 
 
 def _hf_generate(ctx: BenchContext, prompt_ids: list[int], **extra) -> MethodRun:
     import torch
     from transformers import GenerationConfig
 
-    model = ctx.engine.loaded.model
+    model = ctx.hf_target.model
     tokenizer = ctx.engine.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ctx.eos_ids[0]
     # A fresh config so the model's own sampling defaults (repetition penalty, top_k ...) cannot leak in.
@@ -116,7 +123,7 @@ def _run_hf_generate(ctx, prompt_ids):
 
 
 def _run_hf_assisted(ctx, prompt_ids):
-    return _hf_generate(ctx, prompt_ids, assistant_model=ctx.draft.model)
+    return _hf_generate(ctx, prompt_ids, assistant_model=ctx.hf_draft.model)
 
 
 def _run_prompt_lookup(ctx, prompt_ids):
@@ -192,12 +199,12 @@ def _run_llama_cpp(ctx, prompt_ids):
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
-        Method("hf_generate", _run_hf_generate),
+        Method("hf_generate", _run_hf_generate, transformers=True),
         Method("autoregressive", _run_autoregressive),
         Method("self_speculative", _run_self_speculative, needs="plan", setup=_setup_self_speculative),
         Method("dual_model", _run_dual_model, needs="draft", setup=_setup_dual_model),
-        Method("hf_assisted", _run_hf_assisted, needs="draft"),
-        Method("prompt_lookup", _run_prompt_lookup),
+        Method("hf_assisted", _run_hf_assisted, needs="draft", transformers=True),
+        Method("prompt_lookup", _run_prompt_lookup, transformers=True),
         Method("llama_cpp", _run_llama_cpp, needs="gguf", checks_identity=False, setup=_setup_llama_cpp),
     ]
 }
@@ -285,6 +292,7 @@ def describe_machine(engine=None) -> dict:
     if engine is not None:
         info["device"] = str(engine.loaded.device)
         info["dtype"] = str(engine.loaded.dtype).replace("torch.", "")
+        info["speed_mode"] = engine.loaded.speed
         if engine.loaded.device.type == "cuda":
             info["gpu"] = torch.cuda.get_device_name(engine.loaded.device)
     return info
@@ -428,7 +436,7 @@ def run_bench(
 
     # Warm-ups, grouped by what they need loaded, double as the memory measurement.
     phases = {"target": [], "draft": [], "gguf": []}
-    for name in chosen:
+    for name in sorted(chosen, key=lambda m: registry[m].transformers):  # selfspec's methods first
         needs = registry[name].needs
         phases["target" if needs == "plan" else needs].append(name)
     total = len(chosen) * (1 + len(prompts) * repeats)
@@ -447,13 +455,20 @@ def run_bench(
                     ctx.draft = engine.loaded  # drafting with itself: one copy of the weights
                 else:
                     bar.set_description(f"loading {draft_name}")
-                    ctx.draft = load_model(draft_name, device=str(engine.loaded.device), dtype=engine.loaded.dtype)
+                    ctx.draft = load_model(draft_name, device=str(engine.loaded.device), dtype=engine.loaded.dtype,
+                                           speed=engine.loaded.speed)
                 if ctx.draft.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
                     raise SelfSpecError(
                         f"draft model '{draft_name}' does not share {model_name}'s tokenizer; "
                         "pick a draft model of the same family.")
             for name in phases[phase]:
                 method = registry[name]
+                if method.transformers and phase == "target" and ctx.hf_target is None:
+                    bar.set_description(f"loading {model_name} for transformers")
+                    ctx.hf_target = unmodified(engine.loaded)
+                if method.transformers and phase == "draft" and ctx.hf_draft is None:
+                    bar.set_description(f"loading {draft_name} for transformers")
+                    ctx.hf_draft = ctx.hf_target if ctx.draft is engine.loaded and ctx.hf_target else unmodified(ctx.draft)
                 bar.set_description(f"warm-up {name}")
                 with PeakRss() as rss:
                     if method.setup:
@@ -483,6 +498,7 @@ def run_bench(
         "plan": plan.to_dict() if plan is not None else None,
         "plan_summary": plan.describe() if plan is not None else None,
         "draft_model": draft_name if any(registry[m].needs == "draft" for m in chosen) else None,
+        "speed_mode": engine.loaded.speed,
         "prompts": len(prompts),
         "categories": sorted({p.category for p in prompts}),
         "max_new_tokens": max_new_tokens,
@@ -498,6 +514,17 @@ def run_bench(
     }
     result["notes"] = notes
     return result
+
+
+def unmodified(loaded):
+    """``loaded`` as transformers builds it: itself in speed mode torch, else a fresh copy."""
+    from selfspec.models import load_model
+
+    if loaded.speed == "torch":
+        return loaded
+    copy = load_model(loaded.path, device=str(loaded.device), dtype=loaded.dtype, speed="torch")
+    copy.name = loaded.name
+    return copy
 
 
 def _check_draft_tokenizer(engine, draft_name: str) -> None:
@@ -534,6 +561,10 @@ def _summarize(prompts, encoded, chosen, registry, runs, peak_rss) -> dict:
                 "identical_to_baseline": identical,
                 "stats": reps[0].stats,
             }
+            if reps[0].stats is not None and "autoregressive" in runs:
+                # selfspec's own plain decoding in the same speed mode: speculation must not change a token
+                plain = runs["autoregressive"][i][0].token_ids
+                entry["identical_to_autoregressive"] = all(r.token_ids == plain for r in reps)
             table[name].append(entry)
             row["methods"][name] = {k: (round(v, 4) if isinstance(v, float) else v)
                                     for k, v in entry.items() if k != "stats"}
@@ -577,6 +608,8 @@ def _summarize(prompts, encoded, chosen, registry, runs, peak_rss) -> dict:
             out["mean_accepted_length"] = None
             out["acceptance_rate"] = None
             out["acceptance_by_position"] = None
+        if all("identical_to_autoregressive" in e for e in entries):
+            out["identical_to_autoregressive"] = all(e["identical_to_autoregressive"] for e in entries)
         identities = [e["identical_to_baseline"] for e in entries]
         out["identical_to_baseline"] = "n/a" if "n/a" in identities else all(identities)
         if out["identical_to_baseline"] is False:
@@ -632,7 +665,8 @@ def format_markdown(result: dict) -> str:
         f"- machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['memory_gb']} GB RAM"
         + (f", GPU {m['gpu']}" if m.get("gpu") else ""),
         f"- software: torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
-        f"device {m.get('device', '?')}, dtype {m.get('dtype', '?')}",
+        f"device {m.get('device', '?')}, dtype {m.get('dtype', '?')}, selfspec speed mode "
+        f"{m.get('speed_mode', '?')} (transformers' methods run the unmodified model)",
         f"- model: {c['model']}" + (f"; draft model: {c['draft_model']}" if c.get("draft_model") else ""),
         f"- plan: {c['plan_summary'] or 'none'}",
         f"- {c['prompts']} prompt(s) in {len(c['categories'])} categor{'y' if len(c['categories']) == 1 else 'ies'}, "
@@ -670,6 +704,11 @@ def format_markdown(result: dict) -> str:
     if mismatched:
         lines += [""] + [f"**{n} differs from hf_generate on prompt(s) {', '.join(map(str, ids))}.**"
                          for n, ids in mismatched.items()]
+    same_mode = {n: r["identical_to_autoregressive"] for n, r in result["methods"].items()
+                 if "identical_to_autoregressive" in r and n != "autoregressive"}
+    if same_mode:
+        lines += ["", "Identical to selfspec's own plain decoding (autoregressive, same speed mode) on every prompt: "
+                  + ", ".join(f"{n} {'yes' if ok else '**no**'}" for n, ok in same_mode.items()) + "."]
     lines += ["", f"Memory: {c['memory_method']}"]
     if result.get("notes"):
         lines += ["", "Notes:"] + [f"- {note}" for note in result["notes"]]
@@ -791,7 +830,7 @@ def run(args) -> int:
         if unknown:
             raise SelfSpecError(f"unknown method(s) {', '.join(unknown)}. Known: {', '.join(ALL_METHODS)}.")
     prompts = load_prompts(args.prompts, limit=args.limit)
-    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
     plan = resolve_plan(engine, args)
     draft = args.draft_model or DEFAULT_DRAFT_MODEL.get(engine.loaded.name)
     notes = []

@@ -30,6 +30,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_default: str | No
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights dtype (default float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--speed", choices=["auto", "torch", "packed"], default="auto",
+                        help="weight layout and kernels: packed (selfspec's CPU kernel, float32), torch "
+                             "(the model as transformers builds it) or auto (packed where it builds; default)")
 
 
 def torch_dtype(name: str | None):
@@ -125,7 +128,7 @@ def cmd_generate(args) -> int:
         from selfspec.plan import load_plan
 
         model = load_plan(args.plan).model.name
-    engine = Engine.load(model or DEFAULT_MODEL, device=args.device, dtype=torch_dtype(args.dtype))
+    engine = Engine.load(model or DEFAULT_MODEL, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
     plan, drafter = None, None
     if args.draft_model:
         drafter = engine.model_drafter(args.draft_model)

@@ -65,8 +65,9 @@ class Engine:
         self.identity = self.runner.adapter.identity(loaded.name)
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None) -> "Engine":
-        return cls(load_model(model, device=device, dtype=dtype))
+    def load(cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None, speed: str = "auto") -> "Engine":
+        """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest that runs."""
+        return cls(load_model(model, device=device, dtype=dtype, speed=speed))
 
     # -- plans and drafters -----------------------------------------------------------------
     def default_plan(self) -> SkipPlan | None:
@@ -94,7 +95,8 @@ class Engine:
         if isinstance(draft, Engine):
             draft = draft.loaded
         if isinstance(draft, str):
-            draft = load_model(draft, device=str(self.loaded.device), dtype=self.loaded.dtype)
+            draft = load_model(draft, device=str(self.loaded.device), dtype=self.loaded.dtype,
+                               speed=self.loaded.speed)
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise SelfSpecError(
                 f"draft model '{draft.name}' does not share the target's tokenizer, so its tokens mean "

@@ -334,6 +334,7 @@ class LoadedModel:
     model: object
     tokenizer: object
     path: str
+    speed: str = "torch"  # the speed mode its weights were laid out for (selfspec.speed)
 
     @property
     def device(self):
@@ -350,15 +351,23 @@ def default_dtype(device: str):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=None) -> LoadedModel:
-    """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention."""
+def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=None,
+               speed: str = "torch") -> LoadedModel:
+    """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
+
+    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed"); "torch" leaves the
+    model exactly as transformers builds it.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from selfspec.speed import apply_speed_mode, resolve_speed_mode
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SelfSpecError("--device cuda was asked for, but torch sees no CUDA device. Use --device cpu.")
     folder = resolve_model_dir(name_or_path)
     dtype = dtype or default_dtype(device)
+    speed = resolve_speed_mode(speed, device, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
@@ -367,7 +376,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder)
+    apply_speed_mode(model, speed)
+    return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed)
 
 
 def list_models() -> list[dict]:

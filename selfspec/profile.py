@@ -47,7 +47,12 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     import torch
     from transformers import DynamicCache
 
-    runner, model = engine.runner, engine.loaded.model
+    from selfspec.models import load_model
+
+    runner, loaded = engine.runner, engine.loaded
+    # "plain transformers on the same weights": the model exactly as transformers builds it.
+    model = loaded.model if loaded.speed == "torch" else load_model(
+        loaded.name, device=str(loaded.device), dtype=loaded.dtype, speed="torch").model
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix_ids = torch.randint(100, min(vocab, 30000), (prefix,), generator=gen)
@@ -64,7 +69,7 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     def hf_step(n):
         with torch.inference_mode():
             model(new_ids[None, :n].to(runner.device), past_key_values=hf_cache, use_cache=True)
-        hf_cache.crop(prefix)
+        hf_cache.crop(-n)  # drop the n new tokens again (negative: works across transformers versions)
 
     hf_forward_ms = {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
 
@@ -72,6 +77,7 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
         "model": engine.loaded.name,
         "device": str(runner.device),
         "dtype": str(runner.dtype).replace("torch.", ""),
+        "speed_mode": loaded.speed,
         "threads": torch.get_num_threads(),
         "prefix": prefix,
         "forward_ms": forward_ms,
@@ -117,14 +123,15 @@ def run(args) -> int:
     from selfspec.cli import resolve_plan, torch_dtype
     from selfspec.engine import Engine
 
-    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
     args.no_plan, args.skip_attention, args.skip_mlp = False, None, None
     plan = resolve_plan(engine, args)
     result = profile_engine(engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['model']} on {result['device']} ({result['dtype']}, {result['threads']} threads), "
+    print(f"{result['model']} on {result['device']} ({result['dtype']}, speed mode {result['speed_mode']}, "
+          f"{result['threads']} threads), "
           f"{result['prefix']}-token cached prefix, median of {args.repeats}")
     print(f"{'tokens':>6} {'selfspec ms':>12} {'transformers ms':>16} {'ratio to 1 token':>17}")
     for n in SIZES:

@@ -1251,7 +1251,7 @@ def run(args) -> int:
         how = shlex.join(["selfspec", *sys.argv[1:]])
     else:
         how = shlex.join(["selfspec", "search", *_args_as_argv(args)])
-    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype))
+    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
     result = search_plan(
         engine, prompts, trials=args.trials, tokens=args.tokens, out=out, storage=storage,
         study_name=args.study, seed=args.seed, timeout=args.timeout, confirm=args.confirm,

@@ -11,18 +11,39 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# Speed mode "torch": the model exactly as transformers builds it, so transformers' own
+# generate on the same object is an independent reference.
 @pytest.fixture(scope="session")
 def smollm2():
     from selfspec.engine import Engine
 
-    return Engine.load("smollm2-135m")
+    return Engine.load("smollm2-135m", speed="torch")
 
 
 @pytest.fixture(scope="session")
 def qwen05():
     from selfspec.engine import Engine
 
-    return Engine.load("qwen2.5-coder-0.5b")
+    return Engine.load("qwen2.5-coder-0.5b", speed="torch")
+
+
+def _packed(name):
+    from selfspec.engine import Engine
+    from selfspec.speed import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the packed CPU kernel cannot be built on this machine")
+    return Engine.load(name, speed="packed")
+
+
+@pytest.fixture(scope="session")
+def smollm2_packed():
+    return _packed("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen05_packed():
+    return _packed("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="session")

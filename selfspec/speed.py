@@ -1,0 +1,166 @@
+"""Speed modes: how a loaded model's weights are laid out and multiplied, chosen at load time.
+
+- ``torch``: the model as transformers builds it (``F.linear`` over [out, in] weights).
+- ``packed``: CPU, float32. Every linear layer of the decoder and the head is repacked into
+  16-wide column panels and multiplied by selfspec's own kernel (``kernels/packed_linear.cpp``,
+  compiled for this CPU on first use, about a minute, then cached). Same weights, same
+  float32 arithmetic, summed in a fixed order, so a pass over k+1 tokens gives every row the
+  logits a one-token pass gives, and costs about what one token costs (BLAS does not: see
+  ``selfspec profile``).
+- ``auto`` (default): ``packed`` on a CPU that can build the kernel, else ``torch``.
+
+Modules are swapped on the one model instance selfspec loaded; transformers itself is untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from selfspec.errors import SelfSpecError
+
+SPEED_MODES = ("auto", "torch", "packed")
+_KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "packed_linear.cpp"
+_PANEL = 16
+# Passes over at most this many tokens (decode steps, drafts, verify passes) use the kernel,
+# whose rows do not depend on each other; longer ones (prefill) use BLAS.
+KERNEL_MAX_ROWS = 32
+_kernel = None
+_kernel_error: str | None = None
+_kernel_lock = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    from selfspec.models import cache_dir
+
+    # -march=native: a build is only valid on CPUs with the same instruction set.
+    key = hashlib.sha256(_KERNEL_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    folder = cache_dir() / "kernels" / key.hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def load_kernel():
+    """The compiled packed-linear extension; raises SelfSpecError saying why it cannot be built."""
+    global _kernel, _kernel_error
+    with _kernel_lock:
+        if _kernel is not None:
+            return _kernel
+        if _kernel_error is not None:
+            raise SelfSpecError(_kernel_error)
+        if platform.machine().lower() not in ("x86_64", "amd64") or " avx2" not in _cpu_flags() + " ":
+            _kernel_error = "the packed kernel needs an x86-64 CPU with AVX2 and FMA; use --speed torch."
+            raise SelfSpecError(_kernel_error)
+        try:
+            from torch.utils.cpp_extension import load
+
+            folder = _build_dir()
+            if not any(folder.glob("*.so")):
+                print("selfspec: compiling the packed CPU kernel for this machine (once, about a minute)...",
+                      file=sys.stderr, flush=True)
+            _kernel = load(
+                name="selfspec_packed_linear", sources=[str(_KERNEL_SOURCE)], build_directory=str(folder),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+            )
+        except Exception as exc:  # compiler missing, ninja missing, unsupported CPU...
+            _kernel_error = (f"could not build selfspec's packed CPU kernel ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}). "
+                             "It needs a C++ compiler (g++) and ninja (`pip install ninja`); "
+                             "or use --speed torch.")
+            raise SelfSpecError(_kernel_error) from exc
+        return _kernel
+
+
+def kernel_available() -> bool:
+    try:
+        load_kernel()
+        return True
+    except SelfSpecError:
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16] with packed[p, k, j] = weight[16p + j, k]."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // _PANEL, _PANEL, k).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` whose weight lives in panels; float32 on CPU."""
+
+    def __init__(self, linear: nn.Linear, kernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        self.register_buffer("packed_weight", pack_weight(linear.weight))
+        bias = linear.bias.detach().contiguous() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernel.packed_linear(rows, self.packed_weight, self.bias)
+        else:  # prefill: compute-bound, where BLAS (batched over panels) is faster
+            out = torch.matmul(rows, self.packed_weight).permute(1, 0, 2).reshape(rows.shape[0], self.out_features)
+            if self.bias is not None:
+                out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=16-wide panels"
+
+
+def _packable(linear: nn.Module, group: int) -> bool:
+    return (isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32
+            and linear.out_features % (_PANEL * group) == 0)
+
+
+def pack_model(model: nn.Module) -> int:
+    """Swap every packable nn.Linear of ``model`` for a PackedLinear; returns how many were swapped."""
+    kernel = load_kernel()
+    group = kernel.panels_per_group()
+    swapped = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if _packable(child, group):
+                setattr(parent, child_name, PackedLinear(child, kernel))
+                swapped += 1
+    return swapped
+
+
+def resolve_speed_mode(mode: str, device, dtype) -> str:
+    """The mode that will actually run: ``auto`` becomes ``packed`` or ``torch``."""
+    if mode not in SPEED_MODES:
+        raise SelfSpecError(f"unknown speed mode '{mode}'. Choose one of: {', '.join(SPEED_MODES)}.")
+    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if mode == "packed":
+        if not cpu_fp32:
+            raise SelfSpecError("--speed packed runs on the CPU in float32 only; use --speed torch here.")
+        load_kernel()  # raises a clear error when it cannot be built
+        return "packed"
+    if mode == "auto":
+        if cpu_fp32 and kernel_available():
+            return "packed"
+        return "torch"
+    return mode
+
+
+def apply_speed_mode(model: nn.Module, mode: str) -> None:
+    if mode == "packed":
+        pack_model(model)

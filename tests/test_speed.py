@@ -1,0 +1,102 @@
+"""Speed modes: the packed kernel computes the same products as F.linear, its rows do not depend
+on each other, and speculation in packed mode is lossless against plain decoding in packed mode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.errors import SelfSpecError
+from selfspec.speed import KERNEL_MAX_ROWS, PackedLinear, kernel_available, load_kernel, pack_weight, resolve_speed_mode
+
+from test_engine import PROMPTS, hf_greedy, plans_for
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the packed CPU kernel cannot be built here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(64, 16), (192, 576), (256, 1536), (1536, 8960)])
+def test_kernel_matches_f_linear(out_features, in_features):
+    torch.manual_seed(out_features)
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    bias = torch.randn(out_features)
+    layer = torch.nn.Linear(in_features, out_features)
+    layer.weight.data.copy_(weight)
+    layer.bias.data.copy_(bias)
+    packed = PackedLinear(layer, load_kernel())
+    for rows in (1, 2, 3, 5, 8, 13, 16, 17, 32, 33, 100):
+        x = torch.randn(1, rows, in_features)
+        expected = F.linear(x.double(), weight.double(), bias.double()).float()
+        torch.testing.assert_close(packed(x), expected, atol=2e-4, rtol=1e-4)
+    no_bias = torch.nn.Linear(in_features, out_features, bias=False)
+    no_bias.weight.data.copy_(weight)
+    x = torch.randn(4, in_features)
+    torch.testing.assert_close(PackedLinear(no_bias, load_kernel())(x), F.linear(x, weight), atol=2e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_kernel_rows_are_independent_of_each_other():
+    """Row r of a pass over m rows equals, bit for bit, a pass over that row alone (m <= KERNEL_MAX_ROWS)."""
+    torch.manual_seed(1)
+    kernel = load_kernel()
+    weight = torch.randn(8960 // 4, 1536)
+    packed = pack_weight(weight)
+    x = torch.randn(KERNEL_MAX_ROWS, 1536)
+    singles = torch.cat([kernel.packed_linear(x[r:r + 1], packed, None) for r in range(KERNEL_MAX_ROWS)])
+    for rows in (2, 3, 4, 7, 8, 9, 16, KERNEL_MAX_ROWS):
+        assert torch.equal(kernel.packed_linear(x[:rows], packed, None), singles[:rows]), rows
+
+
+def test_unknown_or_impossible_speed_mode_is_a_clear_error():
+    with pytest.raises(SelfSpecError, match="unknown speed mode 'fastest'"):
+        resolve_speed_mode("fastest", "cpu", torch.float32)
+    with pytest.raises(SelfSpecError, match="float32 only"):
+        resolve_speed_mode("packed", "cpu", torch.bfloat16)
+    assert resolve_speed_mode("auto", "cpu", torch.bfloat16) == "torch"
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_packed_logits_match_transformers(smollm2, smollm2_packed):
+    ids = torch.tensor([smollm2.encode(PROMPTS[0], chat=True)])
+    with torch.inference_mode():
+        reference = smollm2.loaded.model(ids).logits
+        packed = smollm2_packed.loaded.model(ids).logits
+    torch.testing.assert_close(packed, reference, atol=2e-3, rtol=1e-3)
+    assert not any(isinstance(m, PackedLinear) for m in smollm2.loaded.model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in smollm2_packed.loaded.model.modules()) == 7 * 30 + 1
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("model_fixture", ["smollm2_packed", "qwen05_packed"])
+def test_packed_mode_speculation_is_lossless(model_fixture, request):
+    """In packed mode, every plan's output equals plain decoding in packed mode, and transformers'
+    own generate over the same packed model."""
+    engine = request.getfixturevalue(model_fixture)
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt, chat=True)
+        plain = engine.generate(ids, None, max_new_tokens=24)
+        assert plain.token_ids == hf_greedy(engine, ids, 24)
+        for name, plan in plans_for(engine).items():
+            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in packed mode"
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
+    from selfspec.bench import Method, _hf_generate, run_bench
+
+    seen = []
+
+    def hf_checked(ctx, prompt_ids):
+        seen.append(any(isinstance(m, PackedLinear) for m in ctx.hf_target.model.modules()))
+        return _hf_generate(ctx, prompt_ids)
+
+    result = run_bench(
+        smollm2_packed, PROMPTS[:1], ["hf_generate", "autoregressive", "self_speculative", "hf_checked"],
+        plan=plans_for(smollm2_packed)["light"], max_new_tokens=8, progress=False,
+        custom_methods={"hf_checked": Method("hf_checked", hf_checked, transformers=True)})
+    assert seen and not any(seen)
+    assert result["config"]["speed_mode"] == "packed"
+    assert result["methods"]["self_speculative"]["identical_to_autoregressive"] is True
