@@ -15,6 +15,7 @@ import torch
 
 from selfspec.errors import SelfSpecError
 from selfspec.plan import ModelIdentity
+from selfspec.speed import linear_prefix
 
 
 class DecoderAdapter:
@@ -55,8 +56,9 @@ class DecoderAdapter:
         layer = self.layers[i]
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def logits(self, hidden) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden))
+    def logits(self, hidden, vocab: int | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary, or over its first ``vocab`` token ids only."""
+        return linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
 
     def window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
@@ -89,8 +91,8 @@ class Gemma3Adapter(DecoderAdapter):
         layer = self.layers[i]
         return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
 
-    def logits(self, hidden):
-        logits = self.model.lm_head(self.decoder.norm(hidden))
+    def logits(self, hidden, vocab=None):
+        logits = linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -83,6 +83,9 @@ class SelfSkipDrafter(Drafter):
         self.skip_attention = frozenset(plan.skip_attention)
         self.skip_mlp = frozenset(plan.skip_mlp)
         self.resume_at = plan.first_skipped_sublayer()
+        vocab = runner.model.get_output_embeddings().out_features
+        self.vocab = vocab
+        self.draft_vocab = plan.policy.draft_vocab if plan.policy.draft_vocab and plan.policy.draft_vocab < vocab else None
 
     def propose(self, request: DraftRequest) -> Draft:
         start = len(request.committed) - 1  # position of the pending token
@@ -90,8 +93,12 @@ class SelfSkipDrafter(Drafter):
         def step(token, offset):
             ids = torch.tensor([token])
             logits, hidden = self.runner.forward(
-                ids, start + offset, self.skip_attention, self.skip_mlp, capture_at=self.resume_at)
-            return logits[-1], hidden
+                ids, start + offset, self.skip_attention, self.skip_mlp, capture_at=self.resume_at,
+                vocab=self.draft_vocab)
+            logits = logits[-1]
+            if self.draft_vocab:  # token ids past the draft head can never be drafted: q = 0 there
+                logits = torch.cat([logits, logits.new_full((self.vocab - self.draft_vocab,), float("-inf"))])
+            return logits, hidden
 
         tokens, probs, hiddens = _draft_loop(step, request.committed[-1], request)
         resume = None

@@ -26,6 +26,9 @@ class DraftPolicy:
     confidence_threshold: float = 0.5
     # Nudge the threshold after each round towards a target acceptance (Draft & Verify's rule).
     adaptive_threshold: bool = True
+    # Draft steps score only the first draft_vocab token ids (BPE vocabularies put frequent tokens
+    # first); the verify pass still scores all. None: the whole vocabulary.
+    draft_vocab: int | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class SkipPlan:
             f"{len(self.skip_mlp)} MLP sublayers of {self.model.num_layers} layers; "
             f"draft up to {self.policy.max_draft_tokens} tokens, threshold {self.policy.confidence_threshold:g}"
             f"{' (adaptive)' if self.policy.adaptive_threshold else ''}"
+            f"{f', draft head over the first {self.policy.draft_vocab} token ids' if self.policy.draft_vocab else ''}"
         )
 
     def save(self, path: str | Path) -> None:
@@ -153,6 +157,9 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
         policy = DraftPolicy(**{k: v for k, v in policy_data.items() if k not in unknown})
         if not isinstance(policy.max_draft_tokens, int) or not 1 <= policy.max_draft_tokens <= 64:
             problems.append(f"'policy.max_draft_tokens' must be an integer in 1..64, got {policy.max_draft_tokens!r}")
+        if policy.draft_vocab is not None and (
+                not isinstance(policy.draft_vocab, int) or policy.draft_vocab < 64 or policy.draft_vocab % 64):
+            problems.append(f"'policy.draft_vocab' must be null or a positive multiple of 64, got {policy.draft_vocab!r}")
         if not isinstance(policy.confidence_threshold, (int, float)) or not 0 <= policy.confidence_threshold < 1:
             problems.append(f"'policy.confidence_threshold' must be in [0, 1), got {policy.confidence_threshold!r}")
     if n and len(skip_attention) == n and len(skip_mlp) == n:

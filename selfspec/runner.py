@@ -94,10 +94,12 @@ class ModelRunner:
         resume: Resume | None = None,
         capture_at: int | None = None,
         last_logits_only: bool = False,
+        vocab: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score ``input_ids`` ([n] tokens at positions start..start+n-1).
 
         Returns (logits [n, vocab], hidden entering sublayer ``capture_at`` [1, n, hidden] or None).
+        With ``vocab``, only the first ``vocab`` token ids are scored (a cheaper draft head).
         With ``resume``, its rows are the first tokens' hidden states entering ``resume.sublayer``;
         only the remaining tokens run the sublayers before it.
         """
@@ -117,7 +119,7 @@ class ModelRunner:
         hidden, captured = self._run(ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at)
         if last_logits_only:  # prefill: the head over every prompt token would be wasted work
             hidden = hidden[:, -1:]
-        return a.logits(hidden)[0].float(), captured
+        return a.logits(hidden, vocab)[0].float(), captured
 
     def _run(self, ids, start, first, stop, skip_attention, skip_mlp, hidden, capture_at):
         """Run sublayers [first, stop) over ``hidden`` (embedding ``ids`` if None)."""

@@ -74,6 +74,8 @@ DEFAULT_TOKENS = 48
 DEFAULT_TRIALS = 60
 DEFAULT_CONFIRM = 3
 MAX_DRAFT_RANGE = (2, 10)
+# Draft heads over the first N token ids (0: the whole vocabulary); sizes at or past the vocabulary drop out.
+DRAFT_VOCAB_CHOICES = (0, 16384, 32768, 65536)
 THRESHOLD_RANGE = (0.0, 0.9)
 THRESHOLD_STEP = 0.05
 MIN_AGREEMENT = 0.3  # prune a trial whose draft agrees with the target less often than this
@@ -99,6 +101,8 @@ class CostModel:
     verify_base: list[float]  # the same with every sublayer skipped (embedding + head over k rows)
     context: int = 0  # cached prefix length the costs were measured at
     draft_overhead: float = 0.0  # softmax/top-prob/argmax per draft step, on top of the forward
+    head: float = 0.0  # the output layer over the whole vocabulary, for one token (inside base_step)
+    vocab: int = 0  # rows of the output layer
 
     @staticmethod
     def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -110,8 +114,10 @@ class CostModel:
         x0, x1, y0, y1 = xs[-2], xs[-1], ys[-2], ys[-1]  # extrapolate linearly past the last size
         return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
-    def draft_step(self, attention_kept: int, mlp_kept: int) -> float:
-        return self.base_step + self.draft_overhead + attention_kept * self.attention + mlp_kept * self.mlp
+    def draft_step(self, attention_kept: int, mlp_kept: int, draft_vocab: int = 0) -> float:
+        """A draft step; ``draft_vocab`` > 0: its head scores only that many token ids (cost linear in rows)."""
+        saved = self.head * (1 - draft_vocab / self.vocab) if 0 < draft_vocab < self.vocab else 0.0
+        return self.base_step - saved + self.draft_overhead + attention_kept * self.attention + mlp_kept * self.mlp
 
     def prefix_fraction(self, first_skipped_sublayer: int) -> float:
         """Share of the layer stack's cost before the first skipped sublayer (the verify pass resumes there)."""
@@ -260,9 +266,11 @@ def measure_costs(runner, context_ids: list[int], repeats: int = 5, sizes: Seque
     token = torch.tensor([context[-1]])
     ids_k = {k: torch.tensor((context * (1 + k // max(1, len(context))))[-k:]) for k in sizes}
 
-    def single(skip_attention, skip_mlp) -> float:
+    vocab = runner.model.get_output_embeddings().out_features
+
+    def single(skip_attention, skip_mlp, head_rows=None) -> float:
         t0 = time.perf_counter()
-        logits, _ = runner.forward(token, start, skip_attention, skip_mlp)
+        logits, _ = runner.forward(token, start, skip_attention, skip_mlp, vocab=head_rows)
         int(torch.argmax(logits[-1]))
         return time.perf_counter() - t0
 
@@ -280,18 +288,19 @@ def measure_costs(runner, context_ids: list[int], repeats: int = 5, sizes: Seque
         torch.argmax(logits, dim=-1).tolist()
         return time.perf_counter() - t0
 
-    variants = {"full": (frozenset(), frozenset()), "no_attention": (every, frozenset()),
-                "no_mlp": (frozenset(), every), "none": (every, every)}
-    for sa, sm in variants.values():  # warm-up
-        single(sa, sm)
+    variants = {"full": (frozenset(), frozenset(), None), "no_attention": (every, frozenset(), None),
+                "no_mlp": (frozenset(), every, None), "none": (every, every, None),
+                "none_tiny_head": (every, every, 64)}
+    for sa, sm, rows in variants.values():  # warm-up
+        single(sa, sm, rows)
     verify(max(sizes), frozenset())
     times: dict[str, list[float]] = {name: [] for name in variants}
     times["overhead"] = []
     vt: dict[int, list[float]] = {k: [] for k in sizes}
     vb: dict[int, list[float]] = {k: [] for k in sizes}
     for _ in range(repeats):
-        for name, (sa, sm) in variants.items():
-            times[name].append(single(sa, sm))
+        for name, (sa, sm, rows) in variants.items():
+            times[name].append(single(sa, sm, rows))
         times["overhead"].append(overhead())
         for k in sizes:
             vt[k].append(verify(k, frozenset()))
@@ -316,6 +325,8 @@ def measure_costs(runner, context_ids: list[int], repeats: int = 5, sizes: Seque
         verify_base=verify_base_med,
         context=start,
         draft_overhead=med["overhead"],
+        head=max(0.0, med["none"] - med["none_tiny_head"]) * vocab / max(1, vocab - 64),
+        vocab=vocab,
     )
 
 
@@ -364,7 +375,7 @@ class SpeedModel:
             cache = self.runner.cache
             self.snapshots.append((cache.keys[:, :, :, :P].clone(), cache.values[:, :, :, :P].clone()))
 
-    def draft_predictions(self, index: int, skip_attention, skip_mlp):
+    def draft_predictions(self, index: int, skip_attention, skip_mlp, draft_vocab: int = 0):
         """(agree [n] bool list, top probability [n] list) of the draft along item ``index``'s continuation."""
         import torch
 
@@ -375,13 +386,13 @@ class SpeedModel:
         self.runner.cache.keys[:, :, :, :P].copy_(keys)
         self.runner.cache.values[:, :, :, :P].copy_(values)
         logits, _ = self.runner.forward(torch.tensor(item.continuation[:-1]), P,
-                                        frozenset(skip_attention), frozenset(skip_mlp))
+                                        frozenset(skip_attention), frozenset(skip_mlp), vocab=draft_vocab or None)
         top, arg = torch.softmax(logits, dim=-1).max(dim=-1)
         agree = (arg == torch.tensor(item.continuation[1:])).tolist()
         return agree, top.tolist()
 
     def evaluate(self, skip_attention, skip_mlp, max_draft: int, threshold: float, adaptive: bool,
-                 on_prompt: Callable[[int, float], bool] | None = None) -> TrialEval:
+                 on_prompt: Callable[[int, float], bool] | None = None, draft_vocab: int = 0) -> TrialEval:
         """Score a plan. ``on_prompt(index, agreement so far)`` may return True to stop early (pruned)."""
         from selfspec.plan import SkipPlan, ModelIdentity
 
@@ -389,7 +400,7 @@ class SpeedModel:
         skip_attention, skip_mlp = sorted(set(skip_attention)), sorted(set(skip_mlp))
         probe = SkipPlan(ModelIdentity("", "", L, ""), skip_attention, skip_mlp)
         costs = self.costs
-        draft_step = costs.draft_step(L - len(skip_attention), L - len(skip_mlp))
+        draft_step = costs.draft_step(L - len(skip_attention), L - len(skip_mlp), draft_vocab)
         fraction = costs.prefix_fraction(probe.first_skipped_sublayer())
 
         def verify_cost(rows, tail):
@@ -397,7 +408,7 @@ class SpeedModel:
 
         total, agreed, positions = SimResult(), 0, 0
         for index in range(len(self.items)):
-            agree, confidence = self.draft_predictions(index, skip_attention, skip_mlp)
+            agree, confidence = self.draft_predictions(index, skip_attention, skip_mlp, draft_vocab)
             agreed += sum(agree)
             positions += len(agree)
             total = total + simulate(agree, confidence, max_draft=max_draft, threshold=threshold, adaptive=adaptive,
@@ -413,7 +424,8 @@ def calibration_key(engine, prompt_ids: list[list[int]], tokens: int) -> str:
     payload = json.dumps({
         "version": CALIBRATION_VERSION, "fingerprint": engine.identity.fingerprint,
         "architecture": engine.identity.architecture, "layers": engine.identity.num_layers,
-        "device": str(loaded.device), "dtype": str(loaded.dtype), "tokens": tokens, "prompts": prompt_ids,
+        "device": str(loaded.device), "dtype": str(loaded.dtype), "speed": loaded.speed, "tokens": tokens,
+        "prompts": prompt_ids,
     }, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -506,7 +518,7 @@ def param_name(kind: str, layer: int) -> str:
 
 
 def params_for(num_layers: int, skip_attention=(), skip_mlp=(), max_draft: int = 4, threshold: float = 0.5,
-               adaptive: bool = True) -> dict:
+               adaptive: bool = True, draft_vocab: int = 0) -> dict:
     """Trial parameters describing a plan (used to enqueue warm starts)."""
     lo, hi = MAX_DRAFT_RANGE
     steps = round((min(max(threshold, THRESHOLD_RANGE[0]), THRESHOLD_RANGE[1]) - THRESHOLD_RANGE[0]) / THRESHOLD_STEP)
@@ -514,7 +526,7 @@ def params_for(num_layers: int, skip_attention=(), skip_mlp=(), max_draft: int =
     params.update({param_name("mlp", i): i in set(skip_mlp) for i in range(num_layers)})
     params.update(max_draft_tokens=min(max(int(max_draft), lo), hi),
                   confidence_threshold=round(THRESHOLD_RANGE[0] + steps * THRESHOLD_STEP, 4),
-                  adaptive_threshold=bool(adaptive))
+                  adaptive_threshold=bool(adaptive), draft_vocab=int(draft_vocab or 0))
     return params
 
 
@@ -524,11 +536,13 @@ def plan_args(params: dict, num_layers: int) -> tuple[list[int], list[int], dict
     skip_mlp = [i for i in range(num_layers) if params.get(param_name("mlp", i))]
     policy = dict(max_draft_tokens=int(params["max_draft_tokens"]),
                   confidence_threshold=round(float(params["confidence_threshold"]), 4),
-                  adaptive_threshold=bool(params["adaptive_threshold"]))
+                  adaptive_threshold=bool(params["adaptive_threshold"]),
+                  draft_vocab=int(params.get("draft_vocab", 0)) or None)
     return skip_attention, skip_mlp, policy
 
 
-def warm_starts(num_layers: int, current=None, seed: int = 0, random_starts: int = 5) -> list[dict]:
+def warm_starts(num_layers: int, current=None, seed: int = 0, random_starts: int = 5,
+                vocab_choices=(0,)) -> list[dict]:
     """The first trials of a study, in order: the plan already at --out, nothing skipped, evenly spaced
     skips in the middle half (every third / every other attention, every other MLP, every other whole
     layer), then a few seeded random sparse plans (10-35% of the sublayers between the first two and the
@@ -551,11 +565,13 @@ def warm_starts(num_layers: int, current=None, seed: int = 0, random_starts: int
         chosen = rng.sample(pool, max(1, round(rng.uniform(0.10, 0.35) * len(pool))))
         starts.append(params_for(
             L, [i for kind, i in chosen if kind == "attn"], [i for kind, i in chosen if kind == "mlp"],
-            max_draft=rng.randint(3, 6), threshold=rng.choice([0.3, 0.4, 0.5, 0.6, 0.7]), adaptive=rng.random() < 0.5))
+            max_draft=rng.randint(3, 6), threshold=rng.choice([0.3, 0.4, 0.5, 0.6, 0.7]), adaptive=rng.random() < 0.5,
+            draft_vocab=rng.choice(list(vocab_choices))))
     if current is not None:
         p = current.policy
+        vocab = p.draft_vocab if p.draft_vocab in vocab_choices else 0
         starts.insert(0, params_for(L, current.skip_attention, current.skip_mlp, p.max_draft_tokens,
-                                    p.confidence_threshold, p.adaptive_threshold))
+                                    p.confidence_threshold, p.adaptive_threshold, vocab))
     return starts
 
 
@@ -804,6 +820,8 @@ def search_plan(
 
     model_name = engine.loaded.name
     L = engine.identity.num_layers
+    head_rows = engine.loaded.model.get_output_embeddings().out_features
+    vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < head_rows]
     out = Path(out) if out is not None else _default_out(model_name)
     current = None
     if out.exists():
@@ -873,6 +891,7 @@ def search_plan(
         max_draft = trial.suggest_int("max_draft_tokens", *MAX_DRAFT_RANGE)
         threshold = trial.suggest_float("confidence_threshold", *THRESHOLD_RANGE, step=THRESHOLD_STEP)
         adaptive = trial.suggest_categorical("adaptive_threshold", [False, True])
+        draft_vocab = trial.suggest_categorical("draft_vocab", vocab_choices)
         key = _plan_key(trial.params)
         previous = known.get(key)
         if previous is not None:
@@ -892,7 +911,7 @@ def search_plan(
             trial.report(agreement, index)
             return trial.should_prune()
 
-        ev = model.evaluate(skip_attention, skip_mlp, max_draft, round(threshold, 4), adaptive, on_prompt)
+        ev = model.evaluate(skip_attention, skip_mlp, max_draft, round(threshold, 4), adaptive, on_prompt, draft_vocab)
         attrs = {"agreement": round(ev.agreement, 4), "acceptance": round(ev.sim.acceptance_rate, 4),
                  "mean_accepted_length": round(ev.sim.mean_accepted_length, 4),
                  "draft_step_ms": round(ev.draft_step * 1e3, 3),
@@ -906,7 +925,7 @@ def search_plan(
 
     interrupted = False
     if remaining:
-        starts = warm_starts(L, current, seed=seed)
+        starts = warm_starts(L, current, seed=seed, vocab_choices=vocab_choices)
         enqueued = 0
         for params in starts:
             if enqueued >= remaining:
@@ -987,6 +1006,7 @@ def search_plan(
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": _device_text(engine),
         "dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "speed_mode": engine.loaded.speed,
         "prompts": prompts_spec,
         "prompt_count": len(items),
         "chat_template": chat,
@@ -1152,7 +1172,8 @@ def write_report_md(study, ranked: list, result: SearchResult, engine, path: Pat
                   f"- plain decoding step: {costs.full_step * 1e3:.1f} ms (context {costs.context} tokens)",
                   f"- one attention sublayer {costs.attention * 1e3:.2f} ms, one MLP sublayer {costs.mlp * 1e3:.2f} ms, "
                   f"embedding+head {costs.base_step * 1e3:.1f} ms",
-                  f"- this plan's draft step: {costs.draft_step(L - len(plan.skip_attention), L - len(plan.skip_mlp)) * 1e3:.1f} ms",
+                  f"- output layer over the whole vocabulary: {costs.head * 1e3:.1f} ms of that",
+                  f"- this plan's draft step: {costs.draft_step(L - len(plan.skip_attention), L - len(plan.skip_mlp), plan.policy.draft_vocab or 0) * 1e3:.1f} ms",
                   "- verify pass over k tokens: " + ", ".join(
                       f"k={k}: {v * 1e3:.0f} ms" for k, v in zip(costs.verify_sizes, costs.verify))]
     if result.confirmations:

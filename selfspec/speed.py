@@ -28,9 +28,10 @@ from selfspec.errors import SelfSpecError
 SPEED_MODES = ("auto", "torch", "packed")
 _KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "packed_linear.cpp"
 _PANEL = 16
-# Passes over at most this many tokens (decode steps, drafts, verify passes) use the kernel,
-# whose rows do not depend on each other; longer ones (prefill) use BLAS.
-KERNEL_MAX_ROWS = 32
+# Passes over at most this many tokens use the kernel, whose rows do not depend on each other:
+# every decode step, draft step and verify pass (max_draft_tokens <= 64, plus the pending token).
+# Longer passes (prefill) are compute-bound, where BLAS, batched over the panels, is faster.
+KERNEL_MAX_ROWS = 80
 _kernel = None
 _kernel_error: str | None = None
 _kernel_lock = threading.Lock()
@@ -112,18 +113,32 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        """``out_features``: compute only the first outputs (a multiple of 64), reading only their weights."""
+        n = out_features or self.out_features
+        weight = self.packed_weight[: n // _PANEL]  # a prefix of the panels: a view, no copy
+        bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.packed_linear(rows, self.packed_weight, self.bias)
-        else:  # prefill: compute-bound, where BLAS (batched over panels) is faster
-            out = torch.matmul(rows, self.packed_weight).permute(1, 0, 2).reshape(rows.shape[0], self.out_features)
-            if self.bias is not None:
-                out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+            out = self.kernel.packed_linear(rows, weight, bias)
+        else:
+            out = torch.matmul(rows, weight).permute(1, 0, 2).reshape(rows.shape[0], n)
+            if bias is not None:
+                out = out + bias
+        return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=16-wide panels"
+
+
+def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) -> torch.Tensor:
+    """The first ``out_features`` outputs of ``linear`` (all when None), reading only their weights."""
+    if out_features is None or out_features >= linear.out_features:
+        return linear(x)
+    if isinstance(linear, PackedLinear):
+        return linear(x, out_features)
+    bias = linear.bias[:out_features] if linear.bias is not None else None
+    return torch.nn.functional.linear(x, linear.weight[:out_features], bias)
 
 
 def _packable(linear: nn.Module, group: int) -> bool:

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from selfspec.errors import SelfSpecError
+from selfspec.plan import DraftPolicy
 from selfspec.prompts import load_prompts
 
 PROMPTS = [p.text for p in load_prompts("spec-bench:coding,math_reasoning,translation", limit=1)]
@@ -30,6 +31,8 @@ def plans_for(engine, seed=0):
         "light": engine.make_plan([n // 2, n // 2 + 2], [n // 2 + 1]),
         "heavy": engine.make_plan(list(range(2, n - 1, 2)), list(range(3, n - 1, 3))),
         "random": engine.make_plan(sorted(rng.sample(mid, len(mid) // 3)), sorted(rng.sample(mid, len(mid) // 4))),
+        # the draft scores only the first 16384 token ids; the verify pass scores them all
+        "light_small_head": engine.make_plan([n // 2, n // 2 + 2], [n // 2 + 1], DraftPolicy(draft_vocab=16384)),
     }
 
 

@@ -116,7 +116,9 @@ def test_helpers():
     params = params_for(4, [1, 3], [2], max_draft=20, threshold=0.33, adaptive=False)
     sa, sm, policy = plan_args(params, 4)
     assert (sa, sm) == ([1, 3], [2])
-    assert policy == {"max_draft_tokens": 10, "confidence_threshold": 0.35, "adaptive_threshold": False}
+    assert policy == {"max_draft_tokens": 10, "confidence_threshold": 0.35, "adaptive_threshold": False,
+                      "draft_vocab": None}
+    assert plan_args(params_for(4, draft_vocab=32768), 4)[2]["draft_vocab"] == 32768
 
 
 # ------------------------------------------------------------------------------- user errors
