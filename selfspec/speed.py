@@ -15,6 +15,7 @@ Modules are swapped on the one model instance selfspec loaded; transformers itse
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import sys
 import threading
@@ -57,6 +58,17 @@ def _build_dir() -> Path:
     return folder
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary is not there unless the venv is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def load_kernel():
     """The compiled packed-linear extension; raises SelfSpecError saying why it cannot be built."""
     global _kernel, _kernel_error
@@ -71,6 +83,7 @@ def load_kernel():
         try:
             from torch.utils.cpp_extension import load
 
+            _put_ninja_on_path()
             folder = _build_dir()
             if not any(folder.glob("*.so")):
                 print("selfspec: compiling the packed CPU kernel for this machine (once, about a minute)...",
@@ -86,6 +99,15 @@ def load_kernel():
                              "or use --speed torch.")
             raise SelfSpecError(_kernel_error) from exc
         return _kernel
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 def kernel_available() -> bool:
@@ -156,6 +178,12 @@ def pack_model(model: nn.Module) -> int:
             if _packable(child, group):
                 setattr(parent, child_name, PackedLinear(child, kernel))
                 swapped += 1
+    # The weights may be views of the checkpoint file mapped into memory, which stays mapped (and its
+    # pages, read while packing, stay resident) while any view lives: give the rest their own memory.
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor is not None and not name.endswith("packed_weight"):  # packed ones are fresh copies
+                tensor.data = tensor.data.clone()
     return swapped
 
 
@@ -170,9 +198,14 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
         load_kernel()  # raises a clear error when it cannot be built
         return "packed"
     if mode == "auto":
-        if cpu_fp32 and kernel_available():
+        if not cpu_fp32:
+            return "torch"
+        try:
+            load_kernel()
             return "packed"
-        return "torch"
+        except SelfSpecError as exc:
+            _warn_once(f"selfspec: running transformers' own kernels: {exc}")
+            return "torch"
     return mode
 
 
