@@ -393,7 +393,7 @@ def run_bench(
     Returns the result dict that ``format_markdown`` and ``write_outputs`` take.
     """
     from selfspec.engine import Engine
-    from selfspec.models import LoadedModel, load_model
+    from selfspec.models import LoadedModel, load_model, unmodified
     from selfspec.prompts import Prompt
 
     if max_new_tokens < 1:
@@ -514,17 +514,6 @@ def run_bench(
     }
     result["notes"] = notes
     return result
-
-
-def unmodified(loaded):
-    """``loaded`` as transformers builds it: itself in speed mode torch, else a fresh copy."""
-    from selfspec.models import load_model
-
-    if loaded.speed == "torch":
-        return loaded
-    copy = load_model(loaded.path, device=str(loaded.device), dtype=loaded.dtype, speed="torch")
-    copy.name = loaded.name
-    return copy
 
 
 def _check_draft_tokenizer(engine, draft_name: str) -> None:

@@ -83,9 +83,8 @@ class SelfSkipDrafter(Drafter):
         self.skip_attention = frozenset(plan.skip_attention)
         self.skip_mlp = frozenset(plan.skip_mlp)
         self.resume_at = plan.first_skipped_sublayer()
-        vocab = runner.model.get_output_embeddings().out_features
-        self.vocab = vocab
-        self.draft_vocab = plan.policy.draft_vocab if plan.policy.draft_vocab and plan.policy.draft_vocab < vocab else None
+        draft_vocab = plan.policy.draft_vocab
+        self.draft_vocab = draft_vocab if draft_vocab and draft_vocab < runner.head_rows else None
 
     def propose(self, request: DraftRequest) -> Draft:
         start = len(request.committed) - 1  # position of the pending token
@@ -97,7 +96,7 @@ class SelfSkipDrafter(Drafter):
                 vocab=self.draft_vocab)
             logits = logits[-1]
             if self.draft_vocab:  # token ids past the draft head can never be drafted: q = 0 there
-                logits = torch.cat([logits, logits.new_full((self.vocab - self.draft_vocab,), float("-inf"))])
+                logits = torch.cat([logits, logits.new_full((self.runner.head_rows - self.draft_vocab,), float("-inf"))])
             return logits, hidden
 
         tokens, probs, hiddens = _draft_loop(step, request.committed[-1], request)

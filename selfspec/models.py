@@ -380,6 +380,15 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
     return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed)
 
 
+def unmodified(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` exactly as transformers builds it: itself in speed mode torch, else a fresh copy."""
+    if loaded.speed == "torch":
+        return loaded
+    copy = load_model(loaded.path, device=str(loaded.device), dtype=loaded.dtype, speed="torch")
+    copy.name = loaded.name
+    return copy
+
+
 def list_models() -> list[dict]:
     rows = []
     for spec in KNOWN_MODELS.values():

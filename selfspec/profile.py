@@ -47,12 +47,10 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     import torch
     from transformers import DynamicCache
 
-    from selfspec.models import load_model
+    from selfspec.models import unmodified
 
     runner, loaded = engine.runner, engine.loaded
-    # "plain transformers on the same weights": the model exactly as transformers builds it.
-    model = loaded.model if loaded.speed == "torch" else load_model(
-        loaded.name, device=str(loaded.device), dtype=loaded.dtype, speed="torch").model
+    model = unmodified(loaded).model  # "plain transformers on the same weights"
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix_ids = torch.randint(100, min(vocab, 30000), (prefix,), generator=gen)

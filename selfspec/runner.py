@@ -59,6 +59,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.cache: KVCache | None = None
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
+        self.head_rows = self.model.get_output_embeddings().out_features  # logits per token
 
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""

@@ -266,7 +266,7 @@ def measure_costs(runner, context_ids: list[int], repeats: int = 5, sizes: Seque
     token = torch.tensor([context[-1]])
     ids_k = {k: torch.tensor((context * (1 + k // max(1, len(context))))[-k:]) for k in sizes}
 
-    vocab = runner.model.get_output_embeddings().out_features
+    vocab = runner.head_rows
 
     def single(skip_attention, skip_mlp, head_rows=None) -> float:
         t0 = time.perf_counter()
@@ -820,8 +820,7 @@ def search_plan(
 
     model_name = engine.loaded.name
     L = engine.identity.num_layers
-    head_rows = engine.loaded.model.get_output_embeddings().out_features
-    vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < head_rows]
+    vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < engine.runner.head_rows]
     out = Path(out) if out is not None else _default_out(model_name)
     current = None
     if out.exists():
