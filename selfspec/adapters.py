@@ -60,6 +60,10 @@ class DecoderAdapter:
         """Logits over the whole vocabulary, or over its first ``vocab`` token ids only."""
         return linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
 
+    def gguf_row_order(self, gguf_name: str, rows: int):
+        """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same order)."""
+        return None
+
     def window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
 
@@ -69,6 +73,17 @@ class DecoderAdapter:
             name=name, architecture=self.config.model_type, num_layers=self.num_layers,
             fingerprint=weight_fingerprint(self.model),
         )
+
+
+class LlamaAdapter(DecoderAdapter):
+    """Llama, Mistral: llama.cpp's converter interleaves the rotary halves of q and k rows."""
+
+    def gguf_row_order(self, gguf_name, rows):
+        short = gguf_name.split(".")[-2]
+        if short not in ("attn_q", "attn_k"):
+            return None
+        heads = self.config.num_attention_heads if short == "attn_q" else self.num_kv_heads
+        return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows).numpy()
 
 
 class Gemma3Adapter(DecoderAdapter):
@@ -100,9 +115,9 @@ class Gemma3Adapter(DecoderAdapter):
 
 
 _ADAPTERS = {
-    "llama": DecoderAdapter,
+    "llama": LlamaAdapter,
     "qwen2": DecoderAdapter,
-    "mistral": DecoderAdapter,
+    "mistral": LlamaAdapter,
     "gemma3_text": Gemma3Adapter,
 }
 

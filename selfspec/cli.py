@@ -30,9 +30,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_default: str | No
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights dtype (default float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--speed", choices=["auto", "torch", "packed"], default="auto",
-                        help="weight layout and kernels: packed (selfspec's CPU kernel, float32), torch "
-                             "(the model as transformers builds it) or auto (packed where it builds; default)")
+    parser.add_argument("--speed", choices=["auto", "torch", "packed", "gguf"], default="auto",
+                        help="weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same "
+                             "results from the GGUF file's quantized weights, a fifth of the memory traffic), "
+                             "torch (the model as transformers builds it) or auto (packed where it builds; default)")
 
 
 def torch_dtype(name: str | None):

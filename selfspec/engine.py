@@ -23,9 +23,11 @@ from selfspec.sampling import Sampling
 REPO_SEARCH_DIR = Path(__file__).resolve().parent.parent / "search"
 
 
-def default_plan_path(model_name: str) -> Path:
-    """Plans live in the repo's search/<model>/plan.json, beside the recipe that produced them."""
-    return REPO_SEARCH_DIR / model_name / "plan.json"
+def default_plan_path(model_name: str, speed: str | None = None) -> Path:
+    """Plans live in the repo's search/<model>/plan.json, beside the recipe that produced them; one
+    searched in speed mode gguf (whose costs differ) in search/<model>/gguf/plan.json."""
+    folder = REPO_SEARCH_DIR / model_name
+    return folder / "gguf" / "plan.json" if speed == "gguf" else folder / "plan.json"
 
 
 @dataclass
@@ -71,7 +73,9 @@ class Engine:
 
     # -- plans and drafters -----------------------------------------------------------------
     def default_plan(self) -> SkipPlan | None:
-        path = default_plan_path(self.loaded.name)
+        path = default_plan_path(self.loaded.name, self.loaded.speed)
+        if not path.is_file():
+            path = default_plan_path(self.loaded.name)
         return self.load_plan(path) if path.is_file() else None
 
     def load_plan(self, path) -> SkipPlan:

@@ -28,6 +28,7 @@ from selfspec.errors import SelfSpecError
 
 CACHE_ENV = "SELFSPEC_CACHE"
 MARKER_FILE = "selfspec-model.json"
+GGUF_FILE = "model.gguf"  # the bundled model's GGUF, kept beside its float32 conversion
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
@@ -282,10 +283,36 @@ def ensure_bundled(name: str) -> Path:
         gguf_path = fetch_gguf(spec, work / "gguf")
         out_dir = work / "model"
         _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
+        os.rename(gguf_path, out_dir / GGUF_FILE)  # kept for speed mode gguf
         _publish(out_dir, final_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final_dir
+
+
+def gguf_source(name_or_path: str, folder: str | Path) -> Path:
+    """The GGUF file a model was converted from (speed mode gguf reads its quantized weights)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    kept = Path(folder) / GGUF_FILE
+    if kept.is_file():
+        return kept
+    spec = KNOWN_MODELS.get(name_or_path)
+    if spec is None:
+        raise SelfSpecError(
+            f"speed mode gguf reads the quantized weights of a GGUF file, and '{name_or_path}' did not come "
+            "from one. Pass a .gguf file or a bundled model name, or use --speed packed."
+        )
+    # Cached before selfspec kept the file: fetch it again (verified against its sha256).
+    staging_root = cache_dir() / "staging"
+    staging_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=staging_root))
+    try:
+        os.replace(fetch_gguf(spec, work), kept)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return kept
 
 
 def ensure_local_gguf(path: Path) -> Path:
@@ -355,8 +382,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
                speed: str = "torch") -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
-    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed"); "torch" leaves the
-    model exactly as transformers builds it.
+    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf"); "torch" leaves
+    the model exactly as transformers builds it.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -376,7 +403,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    apply_speed_mode(model, speed)
+    apply_speed_mode(model, speed, gguf_source(name_or_path, folder) if speed == "gguf" else None)
     return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed)
 
 

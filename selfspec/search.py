@@ -716,11 +716,11 @@ def _device_text(engine) -> str:
     return f"{device} ({cpu}; {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
-def _default_out(model_name: str) -> Path:
+def _default_out(model_name: str, speed: str | None = None) -> Path:
     from selfspec.engine import default_plan_path
     from selfspec.models import KNOWN_MODELS
 
-    return default_plan_path(model_name) if model_name in KNOWN_MODELS else Path("plan.json")
+    return default_plan_path(model_name, speed) if model_name in KNOWN_MODELS else Path("plan.json")
 
 
 def _study_slug(model_name: str) -> str:
@@ -821,7 +821,7 @@ def search_plan(
     model_name = engine.loaded.name
     L = engine.identity.num_layers
     vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < engine.runner.head_rows]
-    out = Path(out) if out is not None else _default_out(model_name)
+    out = Path(out) if out is not None else _default_out(model_name, engine.loaded.speed)
     current = None
     if out.exists():
         try:
@@ -1261,7 +1261,7 @@ def run(args) -> int:
         if value < low:
             raise SelfSpecError(f"{flag} must be at least {low}, got {value}")
     prompts = load_prompts(args.prompts, limit=args.limit)  # a bad prompts file fails before the model loads
-    out = Path(args.out) if args.out else _default_out(args.model)
+    out = Path(args.out) if args.out else _default_out(args.model, args.speed)
     storage = args.storage
     if storage is None:
         out.parent.mkdir(parents=True, exist_ok=True)

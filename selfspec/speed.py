@@ -7,6 +7,10 @@
   float32 arithmetic, summed in a fixed order, so a pass over k+1 tokens gives every row the
   logits a one-token pass gives, and costs about what one token costs (BLAS does not: see
   ``selfspec profile``).
+- ``gguf``: as ``packed``, but the linear layers keep the GGUF file's quantized integers (Q4_K,
+  Q6_K, ...) and the kernel rebuilds each float32 weight in registers: the same logits as
+  ``packed``, bit for bit, from a fifth of the memory traffic (``selfspec.quantized``). Opt-in;
+  for models that came from a GGUF file.
 - ``auto`` (default): ``packed`` on a CPU that can build the kernel, else ``torch``.
 
 Modules are swapped on the one model instance selfspec loaded; transformers itself is untouched.
@@ -26,7 +30,7 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError
 
-SPEED_MODES = ("auto", "torch", "packed")
+SPEED_MODES = ("auto", "torch", "packed", "gguf")
 _KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "packed_linear.cpp"
 _PANEL = 16
 # Passes over at most this many tokens use the kernel, whose rows do not depend on each other:
@@ -90,7 +94,10 @@ def load_kernel():
                       file=sys.stderr, flush=True)
             _kernel = load(
                 name="selfspec_packed_linear", sources=[str(_KERNEL_SOURCE)], build_directory=str(folder),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+                # fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add the code
+                # did not ask for).
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"], verbose=False,
             )
         except Exception as exc:  # compiler missing, ninja missing, unsupported CPU...
             _kernel_error = (f"could not build selfspec's packed CPU kernel ({type(exc).__name__}: "
@@ -127,6 +134,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` whose weight lives in panels; float32 on CPU."""
 
+    reads_prefix = True  # forward(x, out_features) reads only the first outputs' weights
+
     def __init__(self, linear: nn.Linear, kernel):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -157,7 +166,7 @@ def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) 
     """The first ``out_features`` outputs of ``linear`` (all when None), reading only their weights."""
     if out_features is None or out_features >= linear.out_features:
         return linear(x)
-    if isinstance(linear, PackedLinear):
+    if getattr(linear, "reads_prefix", False):
         return linear(x, out_features)
     bias = linear.bias[:out_features] if linear.bias is not None else None
     return torch.nn.functional.linear(x, linear.weight[:out_features], bias)
@@ -182,7 +191,7 @@ def pack_model(model: nn.Module) -> int:
     # pages, read while packing, stay resident) while any view lives: give the rest their own memory.
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor is not None and not name.endswith("packed_weight"):  # packed ones are fresh copies
+            if tensor is not None and not name.endswith(("packed_weight", "quant_weight")):  # fresh already
                 tensor.data = tensor.data.clone()
     return swapped
 
@@ -192,11 +201,11 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
     if mode not in SPEED_MODES:
         raise SelfSpecError(f"unknown speed mode '{mode}'. Choose one of: {', '.join(SPEED_MODES)}.")
     cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if mode == "packed":
+    if mode in ("packed", "gguf"):
         if not cpu_fp32:
-            raise SelfSpecError("--speed packed runs on the CPU in float32 only; use --speed torch here.")
+            raise SelfSpecError(f"--speed {mode} runs on the CPU in float32 only; use --speed torch here.")
         load_kernel()  # raises a clear error when it cannot be built
-        return "packed"
+        return mode
     if mode == "auto":
         if not cpu_fp32:
             return "torch"
@@ -209,6 +218,10 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
     return mode
 
 
-def apply_speed_mode(model: nn.Module, mode: str) -> None:
-    if mode == "packed":
-        pack_model(model)
+def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:
+    if mode == "gguf":
+        from selfspec.quantized import quantize_model
+
+        quantize_model(model, gguf_path, load_kernel(), load_kernel().panels_per_group())
+    if mode in ("packed", "gguf"):
+        pack_model(model)  # in gguf mode: what the file did not hold, and the rest gets its own memory

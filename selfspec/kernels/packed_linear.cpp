@@ -10,6 +10,11 @@
 // Each output is summed over k in increasing order, whatever the number of rows and
 // however the work is split across threads, so row m of the result does not depend on the
 // other rows: a verify pass gives bit for bit the logits a one-token pass gives.
+//
+// quant_linear does the same with the weights kept as a GGUF file's small integers (speed
+// mode "gguf"): each weight is rebuilt in registers, just before use, as the exact float32
+// value the file dequantizes to, then summed in the same order as packed_linear. Same
+// weights, same order, same results, bit for bit, from a fifth to a third of the bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -37,6 +42,17 @@ inline vec vset1(float s) { return _mm512_set1_ps(s); }
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+// kVec bytes -> kVec floats
+inline vec i8_to_vec(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// kVec bytes -> their low and high nibbles as floats
+inline void nibbles_to_vec(const uint8_t* p, vec& lo, vec& hi) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
 constexpr int kVec = 8;
@@ -47,11 +63,33 @@ inline vec vset1(float s) { return _mm256_set1_ps(s); }
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec i8_to_vec(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void nibbles_to_vec(const uint8_t* p, vec& lo, vec& hi) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
 #else
 #error "packed_linear needs AVX2 and FMA"
 #endif
 
 constexpr int kVecPerPanel = kPanel / kVec;
+
+// Blocked summation: each k-block's partial sum is added to the total, in k order.
+template <int ROWS, int V>
+__attribute__((always_inline)) inline void store_tile(vec (&acc)[ROWS][V], int64_t p0, float* y, int64_t N, const float* bias, bool first,
+                       bool last) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + r * N + p0 * kPanel + v * kVec;
+      vec total = first ? acc[r][v] : vadd(vload(out), acc[r][v]);
+      if (last && bias) total = vadd(total, vload(bias + p0 * kPanel + v * kVec));
+      vstore(out, total);
+    }
+}
 
 // Rows [0, ROWS) of x times panels [p0, p0 + PANELS) over k in [k0, k1), into y.
 // All rows share each weight load, so the weights stream from memory once per tile.
@@ -76,46 +114,245 @@ void tile(const float* x, int64_t K, const float* wp, int64_t p0, int64_t k0, in
       for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
     }
   }
-  // Blocked summation: each k-block's partial sum is added to the total, in k order.
-  for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < V; ++v) {
-      float* out = y + r * N + p0 * kPanel + v * kVec;
-      vec total = first ? acc[r][v] : vadd(vload(out), acc[r][v]);
-      if (last && bias) total = vadd(total, vload(bias + p0 * kPanel + v * kVec));
-      vstore(out, total);
-    }
+  store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
+// Quantized panels. Per panel, for each group of G consecutive k (G = 16 or 32):
+//   kNibbles (G = 32): float scale[16], float offset[16], uint8 q[G / 2][16]
+//       byte j of q[t] holds lane j's integer for k = 2t (low nibble) and k = 2t + 1 (high);
+//       w = scale * q + offset (Q4_K: scale = d * sc, offset = -(dmin * m)).
+//   kBytes (G = 16 or 32): float scale[16], int8 q[G][16]; w = scale * q (Q6_K, Q8_0, Q5_0).
+// scale * q is exact in float32 (scale has at most 18 significant bits, q at most 8), so the
+// fused scale * q + offset rounds once, like ggml's dequantization does: w is the float32
+// weight of the dequantized model, exactly.
+constexpr int kNibbles = 0;
+constexpr int kBytes = 1;
+
+template <int FORMAT, int G>
+constexpr int64_t group_bytes() { return FORMAT == kNibbles ? 2 * 4 * kPanel + G / 2 * kPanel : 4 * kPanel + G * kPanel; }
+
+#ifndef SELFSPEC_QPREFETCH
+#define SELFSPEC_QPREFETCH 4096
+#endif
+constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
+
+// One weight vector rebuilt from its integers: lanes [v * kVec, (v + 1) * kVec) of a panel.
+inline void nibble_weights(const uint8_t* q, vec scale, vec offset, vec& w_even, vec& w_odd) {
+  vec lo, hi;
+  nibbles_to_vec(q, lo, hi);
+  w_even = vfma(scale, lo, offset);
+  w_odd = vfma(scale, hi, offset);
+}
+inline vec byte_weights(const uint8_t* q, vec scale) { return vmul(scale, i8_to_vec(q)); }
+
+// As tile(), over quantized panels: same accumulation order, so the same sums bit for bit.
+template <int FORMAT, int G, int ROWS, int PANELS>
+void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0, int64_t k1,
+           float* y, int64_t N, const float* bias, bool first, bool last) {
+  constexpr int V = PANELS * kVecPerPanel;
+  constexpr int64_t kGroupBytes = group_bytes<FORMAT, G>();
+  constexpr int kHeader = FORMAT == kNibbles ? 2 * 4 * kPanel : 4 * kPanel;
+  const int64_t panel_bytes = K / G * kGroupBytes;
+  vec acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t g0 = k0; g0 < k1; g0 += G) {
+    const uint8_t* q[PANELS];
+    vec scale[V], offset[V];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* rec = wq + (p0 + g) * panel_bytes + g0 / G * kGroupBytes;
+      for (int64_t line = 0; line < kGroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+      const float* header = reinterpret_cast<const float*>(rec);
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        scale[g * kVecPerPanel + v] = vload(header + v * kVec);
+        offset[g * kVecPerPanel + v] = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
+      }
+      q[g] = rec + kHeader;
+    }
+    // Every loop inside a group is fully unrolled: the accumulators then stay in registers for the
+    // whole k-block (GCC otherwise stores them to the stack after each step of an inner loop).
+    if constexpr (FORMAT == kNibbles) {
+#pragma GCC unroll 16
+      for (int t = 0; t < G / 2; ++t) {
+        vec w0[V], w1[V];
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i)
+          nibble_weights(q[i / kVecPerPanel] + t * kPanel + i % kVecPerPanel * kVec, scale[i], offset[i], w0[i],
+                         w1[i]);
+        const float* xk = x + g0 + 2 * t;
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w0[v], acc[r][v]);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K + 1]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w1[v], acc[r][v]);
+        }
+      }
+    } else {
+#pragma GCC unroll 32
+      for (int t = 0; t < G; ++t) {
+        vec w[V];
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i)
+          w[i] = byte_weights(q[i / kVecPerPanel] + t * kPanel + i % kVecPerPanel * kVec, scale[i]);
+        const float* xk = x + g0 + t;
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
+        }
+      }
+    }
+  }
+  store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, int64_t, float*, int64_t,
                         const float*, bool, bool);
 
-// kMaxRows[PANELS]: the most rows whose accumulators fit in registers beside PANELS panels.
-template <int PANELS>
-constexpr int max_rows() { return kAccumulators / (PANELS * kVecPerPanel); }
+// max_rows<ACC, PANELS>: the most rows whose accumulators fit in registers beside PANELS panels.
+template <int ACC, int PANELS>
+constexpr int max_rows() { return ACC / (PANELS * kVecPerPanel) > 0 ? ACC / (PANELS * kVecPerPanel) : 1; }
+
+// Rebuilding quantized weights needs registers for scales, offsets and two weight vectors per panel.
+constexpr int kQuantAccumulators = kVec == 16 ? 12 : 6;
+constexpr int kQuantMaxPanels = kVec == 16 ? 4 : 1;
 
 template <int PANELS, int... R>
-constexpr std::array<TileFn, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+constexpr std::array<TileFn<float>, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
   return {&tile<R + 1, PANELS>...};
 }
 
-template <int PANELS>
-TileFn tile_for(int rows) {
-  static constexpr auto table = tile_table<PANELS>(std::make_integer_sequence<int, max_rows<PANELS>()>{});
-  return table[rows - 1];
+template <int FORMAT, int G, int PANELS, int... R>
+constexpr std::array<TileFn<uint8_t>, sizeof...(R)> qtile_table(std::integer_sequence<int, R...>) {
+  return {&qtile<FORMAT, G, R + 1, PANELS>...};
 }
+
+template <int PANELS>
+struct FloatTiles {
+  static constexpr int kRows = max_rows<kAccumulators, PANELS>();
+  static TileFn<float> get(int rows) {
+    static constexpr auto table = tile_table<PANELS>(std::make_integer_sequence<int, kRows>{});
+    return table[rows - 1];
+  }
+};
+
+template <int FORMAT, int G>
+struct QuantTiles {
+  template <int PANELS>
+  struct With {
+    static constexpr int kRows = max_rows<kQuantAccumulators, PANELS>();
+    static TileFn<uint8_t> get(int rows) {
+      static constexpr auto table = qtile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
+      return table[rows - 1];
+    }
+  };
+};
 
 // Fewer rows: more panels per tile (more independent accumulators to hide FMA latency).
 // More rows: fewer panels, so every row still shares each weight load.
-template <int PANELS>
-void run_group(const float* x, int64_t M, int64_t K, const float* wp, int64_t p_begin, float* y,
-               int64_t N, const float* bias) {
-  constexpr int R = max_rows<PANELS>();
+// The tile shape never changes the order of any output's sum.
+template <typename W, template <int> class Tiles, int PANELS>
+void run_group(const float* x, int64_t M, int64_t K, const W* wp, int64_t p_begin, float* y, int64_t N,
+               const float* bias) {
+  constexpr int R = Tiles<PANELS>::kRows;
   for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
     const int64_t k1 = std::min(K, k0 + kBlockK);
     for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
       for (int64_t m0 = 0; m0 < M; m0 += R) {
         const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
-        tile_for<PANELS>(rows)(x + m0 * K, K, wp, p0, k0, k1, y + m0 * N, N, bias, k0 == 0, k1 == K);
+        Tiles<PANELS>::get(rows)(x + m0 * K, K, wp, p0, k0, k1, y + m0 * N, N, bias, k0 == 0, k1 == K);
+      }
+  }
+}
+
+using GroupFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, float*, int64_t, const float*);
+
+template <typename W, template <int> class Tiles, int PANELS>
+void run_group_erased(const float* x, int64_t M, int64_t K, const void* wp, int64_t p_begin, float* y, int64_t N,
+                      const float* bias) {
+  run_group<W, Tiles, PANELS>(x, M, K, static_cast<const W*>(wp), p_begin, y, N, bias);
+}
+
+template <typename W, template <int> class Tiles, int MAX_PANELS>
+GroupFn group_for_rows(int64_t M) {
+  if (MAX_PANELS >= 4 && M <= Tiles<4>::kRows) return &run_group_erased<W, Tiles, 4>;
+  if (MAX_PANELS >= 2 && M <= Tiles<2>::kRows) return &run_group_erased<W, Tiles, 2>;
+  return &run_group_erased<W, Tiles, 1>;
+}
+
+torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, GroupFn run,
+                             const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = P * kPanel;
+  auto y = torch::empty({M, N}, x.options());
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+                "bias must be ", N, " contiguous float32 values");
+    bp = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) run(xp, M, K, wp, g * kGroup, yp, N, bp);
+  });
+  return y;
+}
+
+int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
+  TORCH_CHECK((format == kNibbles && group == 32) || (format == kBytes && (group == 16 || group == 32)),
+              "unsupported quantized format ", format, " with groups of ", group);
+  TORCH_CHECK(K % group == 0, "in_features ", K, " is not a multiple of the group size ", group);
+  const int64_t per_group = format == kNibbles ? group_bytes<kNibbles, 32>()
+                          : group == 16 ? group_bytes<kBytes, 16>() : group_bytes<kBytes, 32>();
+  return K / group * per_group;
+}
+
+template <int FORMAT, int G>
+GroupFn quant_group_for_rows(int64_t M) {
+  return group_for_rows<uint8_t, QuantTiles<FORMAT, G>::template With, kQuantMaxPanels>(M);
+}
+
+GroupFn quant_group_fn(int64_t format, int64_t group, int64_t M) {
+  if (format == kNibbles) return quant_group_for_rows<kNibbles, 32>(M);
+  return group == 16 ? quant_group_for_rows<kBytes, 16>(M) : quant_group_for_rows<kBytes, 32>(M);
+}
+
+// Panels [0, P) rebuilt as float32, laid out like pack_weight: [P, K, 16].
+template <int FORMAT, int G>
+void dequantize_panel(const uint8_t* wq, int64_t K, float* out) {
+  constexpr int64_t kGroupBytes = group_bytes<FORMAT, G>();
+  constexpr int kHeader = FORMAT == kNibbles ? 2 * 4 * kPanel : 4 * kPanel;
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const uint8_t* rec = wq + g0 / G * kGroupBytes;
+    const float* header = reinterpret_cast<const float*>(rec);
+    vec scale[kVecPerPanel], offset[kVecPerPanel];
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      scale[v] = vload(header + v * kVec);
+      offset[v] = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
+    }
+    const uint8_t* q = rec + kHeader;
+    constexpr int kSteps = FORMAT == kNibbles ? G / 2 : G;
+    for (int t = 0; t < kSteps; ++t)
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        if constexpr (FORMAT == kNibbles) {
+          vec w0, w1;
+          nibble_weights(q + t * kPanel + v * kVec, scale[v], offset[v], w0, w1);
+          vstore(out + (g0 + 2 * t) * kPanel + v * kVec, w0);
+          vstore(out + (g0 + 2 * t + 1) * kPanel + v * kVec, w1);
+        } else {
+          vstore(out + (g0 + t) * kPanel + v * kVec, byte_weights(q + t * kPanel + v * kVec, scale[v]));
+        }
       }
   }
 }
@@ -124,33 +361,47 @@ void run_group(const float* x, int64_t M, int64_t K, const float* wp, int64_t p_
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && wp.dtype() == torch::kFloat32, "float32 only");
-  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel, "bad shapes");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");
   TORCH_CHECK(x.size(1) == wp.size(1), "x has ", x.size(1), " features, weight expects ", wp.size(1));
   TORCH_CHECK(wp.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = P * kPanel;
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wptr = wp.data_ptr<float>();
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), "bias must have ", N, " elements");
-    bp = bias->data_ptr<float>();
-  }
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = P / kGroup;
-  // Tile shape by row count; the choice never changes the order of any output's sum.
-  auto run = M <= max_rows<4>() && kGroup % 4 == 0 ? &run_group<4>
-           : M <= max_rows<2>() ? &run_group<2> : &run_group<1>;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) run(xp, M, K, wptr, g * kGroup, yp, N, bp);
+  return run_all_groups(x, wp.data_ptr<float>(), wp.size(0),
+                        group_for_rows<float, FloatTiles, 4>(x.size(0)), bias);
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t format, int64_t group,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be 2-d float32");
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, x.size(1)),
+              "x has ", x.size(1), " features, which does not match the quantized weight");
+  TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+  x = x.contiguous();
+  return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0), quant_group_fn(format, group, x.size(0)), bias);
+}
+
+torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group, int64_t K) {
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  const int64_t panel_bytes = quant_panel_bytes(format, group, K);
+  TORCH_CHECK(wq.size(1) == panel_bytes, "quantized weight does not hold ", K, " features");
+  const int64_t P = wq.size(0);
+  auto out = torch::empty({P, K, kPanel}, torch::dtype(torch::kFloat32));
+  const uint8_t* src = wq.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  auto fn = format == kNibbles ? &dequantize_panel<kNibbles, 32>
+          : group == 16 ? &dequantize_panel<kBytes, 16> : &dequantize_panel<kBytes, 32>;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
   });
-  return y;
+  return out;
 }
 
 int64_t panels_per_group() { return kGroup; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");
+  m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias), W as quantized 16-wide panels");
+  m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [P, K, 16]");
+  m.def("quant_panel_bytes", &quant_panel_bytes, "bytes per quantized panel");
   m.def("panels_per_group", &panels_per_group, "panel count granularity");
 }

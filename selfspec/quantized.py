@@ -1,0 +1,325 @@
+"""Speed mode ``gguf``: the linear layers keep the GGUF file's own quantized weights.
+
+The bundled models are GGUF files whose weights are small integers with a float scale (and
+offset) per 16 or 32 weights. Converting them to float32 makes every decoding step read 4-7x
+more bytes than the file holds. In this mode each linear layer keeps the file's integers,
+repacked into the 16-wide panels of the ``packed`` mode, and the kernel rebuilds every weight
+in registers as exactly the float32 value the file dequantizes to (ggml's formula, one
+rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit for bit, from
+a fifth of the bytes (1.37 GB per pass for the 1.5B instead of 6.2). At load, the first and
+last panels of every layer are compared with the float32 model (every weight, in the tests).
+
+Formats read: Q4_K, Q4_1 (4-bit, scale and offset per 32), Q6_K (int8 per 16), Q8_0 and
+Q5_0 (int8 per 32). The embedding and the norms stay float32 (they are not streamed per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from selfspec.errors import SelfSpecError
+from selfspec.speed import KERNEL_MAX_ROWS, pack_weight
+
+PANEL = 16
+NIBBLES, BYTES = 0, 1  # kernel formats (kernels/packed_linear.cpp)
+_DEQUANT_CHUNK_PANELS = 512  # bounds the float32 panels alive at once during prefill
+_CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
+
+
+@dataclass
+class Decoded:
+    """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]."""
+
+    q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES) or int8 (BYTES)
+    scale: np.ndarray  # [N, K // G] float32
+    offset: np.ndarray | None  # [N, K // G] float32, NIBBLES only
+    group: int
+    format: int
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(-1, block_bytes)
+
+
+def _q4_k(raw, rows):
+    b = _blocks(raw, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    d, dmin, packed = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].reshape(-1, 3, 4)
+    lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
+    mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
+    scale = d * sc.astype(np.float32)  # float32 products, as ggml computes them
+    offset = -(dmin * mins.astype(np.float32))
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(rows, -1)  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
+    return Decoded(q, scale.reshape(rows, -1), offset.reshape(rows, -1), 32, NIBBLES)
+
+
+def _q4_1(raw, rows):
+    b = _blocks(raw, 20)  # d f16, m f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = (b[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    return Decoded(q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 32, NIBBLES)
+
+
+def _q6_k(raw, rows):
+    b = _blocks(raw, 210)  # 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d f16
+    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES)
+
+
+def _q8_0(raw, rows):
+    b = _blocks(raw, 34)  # d f16, 32 int8
+    return Decoded(b[:, 2:].view(np.int8).reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+
+
+def _q5_0(raw, rows):
+    b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
+    high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    low = (b[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    q = (low.reshape(-1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+
+
+DECODERS = {"Q4_K": _q4_k, "Q4_1": _q4_1, "Q6_K": _q6_k, "Q8_0": _q8_0, "Q5_0": _q5_0}
+
+
+def decode(raw: np.ndarray, type_name: str, rows: int) -> Decoded:
+    decoder = DECODERS.get(type_name)
+    if decoder is None:
+        raise SelfSpecError(
+            f"speed mode gguf reads {', '.join(DECODERS)} weights; this file has {type_name}. "
+            "Use --speed packed."
+        )
+    return decoder(raw, rows)
+
+
+def pack(decoded: Decoded) -> torch.Tensor:
+    """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout."""
+    n, k = decoded.q.shape
+    g, panels, groups = decoded.group, n // PANEL, k // decoded.group
+
+    def lanes_last(a: np.ndarray) -> np.ndarray:  # [N, groups, ...] -> [P, groups, ..., 16]
+        a = a.reshape(panels, PANEL, groups, -1)
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, groups, -1)
+
+    header = [lanes_last(decoded.scale).view(np.uint8)]
+    if decoded.format == NIBBLES:
+        pairs = decoded.q.reshape(n, groups, g // 2, 2)
+        q = pairs[..., 0] | (pairs[..., 1] << 4)  # k even in the low nibble
+        header.append(lanes_last(decoded.offset).view(np.uint8))
+    else:
+        q = decoded.q.view(np.uint8).reshape(n, groups, g)
+    record = np.concatenate([*header, lanes_last(q)], axis=2)
+    return torch.from_numpy(record.reshape(panels, -1))
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` whose weight is held as quantized 16-wide panels."""
+
+    reads_prefix = True  # forward(x, out_features) reads only the first outputs' weights
+
+    def __init__(self, linear: nn.Linear, decoded: Decoded, kernel, type_name: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel, self.format, self.group, self.type_name = kernel, decoded.format, decoded.group, type_name
+        self.register_buffer("quant_weight", pack(decoded))
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
+        return self.kernel.dequantize_panels(self.quant_weight[first:last], self.format, self.group,
+                                             self.in_features)
+
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        n = out_features or self.out_features
+        panels = n // PANEL
+        bias = self.bias[:n] if self.bias is not None else None
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernel.quant_linear(rows, self.quant_weight[:panels], self.format, self.group, bias)
+        else:  # as PackedLinear does, over float32 panels rebuilt a chunk at a time
+            chunks = []
+            for first in range(0, panels, _DEQUANT_CHUNK_PANELS):
+                weight = self.dequantized_panels(first, min(panels, first + _DEQUANT_CHUNK_PANELS))
+                chunks.append(torch.matmul(rows, weight).permute(1, 0, 2).reshape(rows.shape[0], -1))
+            out = torch.cat(chunks, dim=1)
+            if bias is not None:
+                out = out + bias
+        return out.view(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weights={self.type_name} as 16-wide panels")
+
+
+# GGUF tensor names of a llama-style decoder's linear layers (llama.cpp's naming, shared by the
+# llama, qwen2, mistral and gemma3 files).
+_LAYER_LINEARS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    type_name: str
+    rows: int
+    columns: int
+    data: np.ndarray  # [rows, bytes per row] uint8, mapped from the file
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
+    """The tensors of a GGUF file, mapped, not read. (gguf's GGUFReader also parses every metadata
+    value, the 150k-token vocabulary included: 14 s for a Qwen file; this skips them.)"""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        pos = 4  # past the magic bytes
+
+        def take(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from("<" + fmt, mapped, pos)
+            pos += struct.calcsize("<" + fmt)
+            return values if len(values) > 1 else values[0]
+
+        def string() -> str:
+            nonlocal pos
+            length = take("Q")
+            pos += length
+            return bytes(mapped[pos - length: pos]).decode("utf-8", "replace")
+
+        def skip_value(kind: int) -> None:
+            nonlocal pos
+            if kind == _STRING:
+                length = take("Q")  # (not `pos += take(...)`: take moves pos itself)
+                pos += length
+            elif kind == _ARRAY:
+                item_kind, count = take("IQ")
+                if item_kind in _SCALAR_BYTES:
+                    pos += _SCALAR_BYTES[item_kind] * count
+                else:
+                    for _ in range(count):
+                        skip_value(item_kind)
+            else:
+                pos += _SCALAR_BYTES[kind]
+
+        if bytes(mapped[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic bytes")
+        _version, n_tensors, n_values = take("IQQ")
+        alignment = 32
+        for _ in range(n_values):
+            key, kind = string(), take("I")
+            if key == "general.alignment" and kind == 4:
+                alignment = take("I")
+            else:
+                skip_value(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [take("Q") for _ in range(take("I"))]
+            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+        start = -(-pos // alignment) * alignment
+        tensors = {}
+        for name, dims, kind, offset in infos:
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            row_bytes = dims[0] // block * block_bytes
+            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            begin = start + offset
+            if begin + rows * row_bytes > mapped.size:
+                raise ValueError(f"tensor {name} runs past the end of the file")
+            tensors[name] = GGUFTensor(name, kind.name, rows, dims[0],
+                                       mapped[begin: begin + rows * row_bytes].reshape(rows, row_bytes))
+        return tensors
+    except Exception as exc:  # struct, enum and numpy errors all mean a damaged file here
+        raise SelfSpecError(f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
+                            "Download it again, or use --speed packed.") from exc
+
+
+def _module(model: nn.Module, dotted: str) -> nn.Module:
+    try:
+        return model.get_submodule(dotted)
+    except AttributeError as exc:
+        raise SelfSpecError(f"the model has no module {dotted}; speed mode gguf cannot map its GGUF file onto "
+                            "it. Use --speed packed.") from exc
+
+
+def quantize_model(model: nn.Module, gguf_path: Path, kernel, group_panels: int) -> int:
+    """Swap the decoder's and the head's nn.Linear modules for QuantLinear built from the file."""
+    from selfspec.adapters import adapter_for
+
+    adapter = adapter_for(model)
+    tensors = gguf_tensors(gguf_path)
+    head_source = "token_embd.weight" if getattr(model.config, "tie_word_embeddings", False) else "output.weight"
+    targets = [(f"blk.{i}.{short}.weight", f"model.layers.{i}.{module}")
+               for i in range(adapter.num_layers) for short, module in _LAYER_LINEARS.items()]
+    targets.append((head_source if head_source in tensors else "token_embd.weight", "lm_head"))
+    swaps = []  # made once every layer is built and checked: a bad file leaves the model untouched
+    for gguf_name, module_name in targets:
+        linear = _module(model, module_name)
+        tensor = tensors.get(gguf_name)
+        if tensor is None or not isinstance(linear, nn.Linear):
+            raise SelfSpecError(f"{gguf_path.name} has no tensor {gguf_name} for {module_name}; "
+                                "speed mode gguf cannot map this file onto the model. Use --speed packed.")
+        if linear.out_features % (PANEL * group_panels):
+            continue  # stays float32 (never the case for the bundled models)
+        if (tensor.rows, tensor.columns) != (linear.out_features, linear.in_features):
+            raise SelfSpecError(f"{gguf_name} in {gguf_path.name} is [{tensor.rows}, {tensor.columns}], but "
+                                f"{module_name} is [{linear.out_features}, {linear.in_features}]: this GGUF file "
+                                "is not the model's. Use --speed packed.")
+        raw = tensor.data
+        rows = adapter.gguf_row_order(gguf_name, raw.shape[0])
+        if rows is not None:
+            raw = raw[rows]
+        decoded = decode(raw, tensor.type_name, linear.out_features)
+        quant = QuantLinear(linear, decoded, kernel, tensor.type_name)
+        _check_exact(quant, linear.weight, gguf_name, gguf_path)
+        swaps.append((module_name, quant))
+    for module_name, quant in swaps:
+        parent, _, child = module_name.rpartition(".")
+        setattr(_module(model, parent) if parent else model, child, quant)
+    return len(swaps)
+
+
+def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
+    """The rebuilt weights must equal the float32 model's: the file is the model's own, mapped right.
+
+    The first and last panels of every layer are compared, which catches a wrong file, tensor or row
+    order at a fraction of the cost; the tests compare every weight of the bundled models."""
+    panels = quant.quant_weight.shape[0]
+    for first, last in ((0, min(panels, _CHECK_PANELS)), (max(0, panels - _CHECK_PANELS), panels)):
+        expected = pack_weight(weight[first * PANEL: last * PANEL])
+        if not torch.equal(quant.dequantized_panels(first, last), expected):
+            raise SelfSpecError(
+                f"{gguf_name} in {gguf_path} does not hold the loaded model's weights. The file is not this "
+                "model's, or changed since it was converted. Use --speed packed, or remove the model's "
+                "cache folder to convert it again."
+            )
+
+
+def report(model: nn.Module) -> str:
+    """Bytes held by the quantized layers, for the user."""
+    total = sum(m.quant_weight.numel() for m in model.modules() if isinstance(m, QuantLinear))
+    kinds = sorted({m.type_name for m in model.modules() if isinstance(m, QuantLinear)})
+    return f"{total / 1e9:.2f} GB of {'/'.join(kinds)} weights"

@@ -1,0 +1,155 @@
+"""Speed mode gguf: the GGUF file's integers rebuild exactly the float32 weights (checked against
+gguf's own dequantization), the quantized kernel returns packed mode's results bit for bit, and
+decoding in gguf mode is lossless."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+
+from selfspec import quantized
+from selfspec.errors import SelfSpecError
+from selfspec.speed import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
+
+from test_engine import PROMPTS, plans_for
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built here")
+
+# type -> (weights per block, bytes per block, byte offsets of its float16 fields)
+BLOCKS = {
+    "Q4_K": (256, 144, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q8_0": (32, 34, (0,)),
+    "Q5_0": (32, 22, (0,)),
+    "Q4_1": (32, 20, (0, 2)),
+}
+
+
+def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random quantized data of one GGUF type: any bits, with finite float16 scales."""
+    per_block, block_bytes, f16_fields = BLOCKS[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // per_block, block_bytes), dtype=np.uint8)
+    for at in f16_fields:
+        scales = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+@pytest.mark.parametrize("rows,columns", [(64, 512), (192, 1536)])
+def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(type_name, rows, columns):
+    raw = random_blocks(type_name, rows, columns, seed=rows + len(type_name))
+    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy())
+    decoded = quantized.decode(raw, type_name, rows)
+    wq = quantized.pack(decoded)
+    kernel = load_kernel()
+    assert torch.equal(kernel.dequantize_panels(wq, decoded.format, decoded.group, columns), pack_weight(reference))
+    packed = pack_weight(reference)
+    bias = torch.randn(rows)
+    x = torch.randn(KERNEL_MAX_ROWS, columns)
+    for m in (1, 2, 3, 4, 5, 7, 8, 12, 13, 17, KERNEL_MAX_ROWS):
+        got = kernel.quant_linear(x[:m], wq, decoded.format, decoded.group, bias)
+        assert torch.equal(got, kernel.packed_linear(x[:m], packed, bias)), (type_name, m)
+        # rows do not depend on each other: a verify pass gives each token a one-token pass's result
+        assert torch.equal(got[m - 1:], kernel.quant_linear(x[m - 1:m], wq, decoded.format, decoded.group, bias))
+
+
+def test_unsupported_quantization_type_is_a_clear_error():
+    with pytest.raises(SelfSpecError, match="reads Q4_K, Q4_1, Q6_K, Q8_0, Q5_0 weights; this file has IQ2_XS"):
+        quantized.decode(np.zeros((64, 66), np.uint8), "IQ2_XS", 64)
+
+
+@pytest.mark.slow
+def test_tensor_index_agrees_with_gguf_reader(smollm2):
+    from gguf import GGUFReader
+
+    from selfspec.models import gguf_source
+
+    path = gguf_source("smollm2-135m", smollm2.loaded.path)
+    ours = quantized.gguf_tensors(path)
+    theirs = GGUFReader(str(path)).tensors
+    assert len(ours) == len(theirs)
+    for tensor in theirs:
+        mine = ours[tensor.name]
+        assert mine.type_name == tensor.tensor_type.name
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
+@pytest.mark.slow
+def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
+    from selfspec.models import cached_model_dir, gguf_source
+
+    source = cached_model_dir("smollm2-135m") / "model.gguf"
+    if not source.is_file():
+        source = gguf_source("smollm2-135m", cached_model_dir("smollm2-135m"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    with pytest.raises(SelfSpecError, match="cannot read .*cut.gguf as a GGUF file"):
+        quantized.gguf_tensors(cut)
+    # smollm2's file onto another llama: refused before anything is swapped
+    model = tiny_llama.loaded.model
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(SelfSpecError, match="not the model's"):
+        quantized.quantize_model(model, source, load_kernel(), 4)
+    assert [type(m) for m in model.modules()] == before
+    with pytest.raises(SelfSpecError, match="did not come from one"):
+        gguf_source(str(tmp_path), tmp_path)
+
+
+@pytest.fixture(scope="session")
+def qwen05_gguf():
+    from selfspec.engine import Engine
+
+    if not kernel_available():
+        pytest.skip("the CPU kernel cannot be built on this machine")
+    return Engine.load("qwen2.5-coder-0.5b", speed="gguf")
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_gguf_mode_holds_every_weight_exactly(qwen05, qwen05_gguf):
+    """Every weight of every quantized layer equals the float32 model's (the load checks a sample)."""
+    reference = dict(qwen05.loaded.model.named_modules())
+    layers = [(name, m) for name, m in qwen05_gguf.loaded.model.named_modules() if isinstance(m, quantized.QuantLinear)]
+    assert len(layers) == 7 * 24 + 1
+    assert {m.type_name for _, m in layers} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    for name, layer in layers:
+        assert torch.equal(layer.dequantized_panels(), pack_weight(reference[name].weight)), name
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_gguf_mode_gives_packed_logits_bit_for_bit(qwen05_packed, qwen05_gguf):
+    long_prompt = " ".join(PROMPTS) * 3  # past KERNEL_MAX_ROWS tokens: the prefill path too
+    for prompt in (PROMPTS[0], long_prompt):
+        ids = torch.tensor([qwen05_gguf.encode(prompt, chat=True)])
+        with torch.inference_mode():
+            assert torch.equal(qwen05_gguf.loaded.model(ids).logits, qwen05_packed.loaded.model(ids).logits)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_gguf_mode_speculation_is_lossless(qwen05_packed, qwen05_gguf):
+    engine = qwen05_gguf
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt, chat=True)
+        plain = engine.generate(ids, None, max_new_tokens=24)
+        assert plain.token_ids == qwen05_packed.generate(ids, None, max_new_tokens=24).token_ids
+        for name, plan in plans_for(engine).items():
+            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf mode"
+
+
+def test_gguf_mode_has_its_own_default_plan():
+    """Its costs differ from packed's, so it was searched separately; other modes keep theirs."""
+    from selfspec.engine import default_plan_path
+    from selfspec.plan import load_plan
+
+    path = default_plan_path("qwen2.5-coder-1.5b", "gguf")
+    assert path.parent.name == "gguf" and path.is_file()
+    assert load_plan(path).provenance["speed_mode"] == "gguf"
+    assert default_plan_path("qwen2.5-coder-1.5b", "packed") == default_plan_path("qwen2.5-coder-1.5b")
