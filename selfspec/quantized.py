@@ -9,8 +9,8 @@ rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit f
 a fifth of the bytes (1.37 GB per pass for the 1.5B instead of 6.2). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
-Formats read: Q4_K, Q4_1 (4-bit, scale and offset per 32), Q6_K (int8 per 16), Q8_0 and
-Q5_0 (int8 per 32). The embedding and the norms stay float32 (they are not streamed per step).
+Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
+offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay float32 (they are not streamed per step).
 """
 
 from __future__ import annotations
@@ -26,20 +26,24 @@ from selfspec.errors import SelfSpecError
 from selfspec.speed import KERNEL_MAX_ROWS, pack_weight
 
 PANEL = 16
-NIBBLES, BYTES = 0, 1  # kernel formats (kernels/packed_linear.cpp)
+NIBBLES, BYTES, SUPER_NIBBLES = 0, 1, 2  # kernel formats (kernels/packed_linear.cpp)
 _DEQUANT_CHUNK_PANELS = 512  # bounds the float32 panels alive at once during prefill
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
 
 
 @dataclass
 class Decoded:
-    """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G]."""
+    """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
 
-    q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES) or int8 (BYTES)
-    scale: np.ndarray  # [N, K // G] float32
-    offset: np.ndarray | None  # [N, K // G] float32, NIBBLES only
+    SUPER_NIBBLES (Q4_K) keeps the file's factors instead of their float32 products:
+    scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G])."""
+
+    q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
+    scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
+    offset: np.ndarray | None  # [N, K // G] float32 (NIBBLES)
     group: int
     format: int
+    factors: tuple | None = None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8
 
 
 def _f16(column: np.ndarray) -> np.ndarray:
@@ -52,15 +56,15 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 
 def _q4_k(raw, rows):
     b = _blocks(raw, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-    d, dmin, packed = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].reshape(-1, 3, 4)
+    d, dmin = np.ascontiguousarray(b[:, 0:2]).view(np.float16), np.ascontiguousarray(b[:, 2:4]).view(np.float16)
+    packed = b[:, 4:16].reshape(-1, 3, 4)
     lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
     mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
-    scale = d * sc.astype(np.float32)  # float32 products, as ggml computes them
-    offset = -(dmin * mins.astype(np.float32))
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     q = (qs & 15).reshape(rows, -1)  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
-    return Decoded(q, scale.reshape(rows, -1), offset.reshape(rows, -1), 32, NIBBLES)
+    factors = (d.reshape(rows, -1), dmin.reshape(rows, -1), sc.reshape(rows, -1), mins.reshape(rows, -1))
+    return Decoded(q, None, None, 32, SUPER_NIBBLES, factors)
 
 
 def _q4_1(raw, rows):
@@ -110,17 +114,26 @@ def pack(decoded: Decoded) -> torch.Tensor:
     n, k = decoded.q.shape
     g, panels, groups = decoded.group, n // PANEL, k // decoded.group
 
-    def lanes_last(a: np.ndarray) -> np.ndarray:  # [N, groups, ...] -> [P, groups, ..., 16]
-        a = a.reshape(panels, PANEL, groups, -1)
-        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, groups, -1)
+    def lanes_last(a: np.ndarray) -> np.ndarray:  # [N, blocks, ...] -> [P, blocks, ... * 16]
+        blocks = a.shape[1]
+        a = a.reshape(panels, PANEL, blocks, -1)
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, blocks, -1)
 
-    header = [lanes_last(decoded.scale).view(np.uint8)]
-    if decoded.format == NIBBLES:
+    if decoded.format == BYTES:
+        q = decoded.q.view(np.uint8).reshape(n, groups, g)
+    else:
         pairs = decoded.q.reshape(n, groups, g // 2, 2)
         q = pairs[..., 0] | (pairs[..., 1] << 4)  # k even in the low nibble
+    if decoded.format == SUPER_NIBBLES:  # per 256 k: d, dmin; per group: sc, m, q
+        d, dmin, sc, m = decoded.factors
+        groups_record = np.concatenate([lanes_last(sc), lanes_last(m), lanes_last(q)], axis=2)
+        supers = k // 256
+        record = np.concatenate([lanes_last(d).view(np.uint8), lanes_last(dmin).view(np.uint8),
+                                 groups_record.reshape(panels, supers, -1)], axis=2)
+        return torch.from_numpy(record.reshape(panels, -1))
+    header = [lanes_last(decoded.scale).view(np.uint8)]
+    if decoded.format == NIBBLES:
         header.append(lanes_last(decoded.offset).view(np.uint8))
-    else:
-        q = decoded.q.view(np.uint8).reshape(n, groups, g)
     record = np.concatenate([*header, lanes_last(q)], axis=2)
     return torch.from_numpy(record.reshape(panels, -1))
 

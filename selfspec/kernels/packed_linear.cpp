@@ -43,6 +43,15 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vneg(vec a) {  // flips the sign bit (a zero becomes -0, as in ggml's -(dmin * m))
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+inline vec u8_to_vec(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec f16_to_vec(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 // kVec bytes -> kVec floats
 inline vec i8_to_vec(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -64,6 +73,11 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+inline vec u8_to_vec(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vec f16_to_vec(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vec i8_to_vec(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -117,19 +131,52 @@ void tile(const float* x, int64_t K, const float* wp, int64_t p0, int64_t k0, in
   store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
 }
 
-// Quantized panels. Per panel, for each group of G consecutive k (G = 16 or 32):
-//   kNibbles (G = 32): float scale[16], float offset[16], uint8 q[G / 2][16]
-//       byte j of q[t] holds lane j's integer for k = 2t (low nibble) and k = 2t + 1 (high);
-//       w = scale * q + offset (Q4_K: scale = d * sc, offset = -(dmin * m)).
-//   kBytes (G = 16 or 32): float scale[16], int8 q[G][16]; w = scale * q (Q6_K, Q8_0, Q5_0).
-// scale * q is exact in float32 (scale has at most 18 significant bits, q at most 8), so the
-// fused scale * q + offset rounds once, like ggml's dequantization does: w is the float32
-// weight of the dequantized model, exactly.
+// Quantized panels: each panel's weights as groups of G consecutive k (G = 16 or 32), each
+// group with its own scale (and offset) per lane:
+//   kNibbles (G = 32; Q4_1): per group float scale[16], float offset[16], uint8 q[16][16].
+//   kBytes (G = 16 or 32; Q6_K, Q8_0, Q5_0): per group float scale[16], int8 q[G][16].
+//   kSuperNibbles (G = 32; Q4_K): per 256 k, half d[16], half dmin[16], then 8 groups of
+//       uint8 sc[16], uint8 m[16], uint8 q[16][16]; scale = d * sc, offset = -(dmin * m),
+//       float32 products as ggml computes them (a quarter fewer bytes than float scales).
+// In nibble formats byte j of q[t] holds lane j's integer for k = 2t (low nibble) and k = 2t + 1.
+// w = scale * q + offset: scale * q is exact in float32 (scale has at most 18 significant bits,
+// q at most 8), so the fused multiply-add rounds once, like ggml's dequantization does: w is
+// the float32 weight of the dequantized model, exactly.
 constexpr int kNibbles = 0;
 constexpr int kBytes = 1;
+constexpr int kSuperNibbles = 2;
 
 template <int FORMAT, int G>
-constexpr int64_t group_bytes() { return FORMAT == kNibbles ? 2 * 4 * kPanel + G / 2 * kPanel : 4 * kPanel + G * kPanel; }
+struct Layout {
+  static constexpr bool kNibbleQ = FORMAT != kBytes;
+  static constexpr int64_t kGroupHeader = FORMAT == kNibbles ? 8 * kPanel : FORMAT == kBytes ? 4 * kPanel : 2 * kPanel;
+  static constexpr int64_t kGroupBytes = kGroupHeader + (kNibbleQ ? G / 2 : G) * kPanel;
+  static constexpr int64_t kSuperGroups = 256 / G;
+  static constexpr int64_t kSuperHeader = 4 * kPanel;  // d and dmin, 16 halves each
+  static constexpr int64_t kSuperBytes = kSuperHeader + kSuperGroups * kGroupBytes;
+
+  static int64_t panel_bytes(int64_t K) {
+    return FORMAT == kSuperNibbles ? K / 256 * kSuperBytes : K / G * kGroupBytes;
+  }
+  static const uint8_t* group(const uint8_t* panel, int64_t gi) {
+    if constexpr (FORMAT == kSuperNibbles)
+      return panel + gi / kSuperGroups * kSuperBytes + kSuperHeader + gi % kSuperGroups * kGroupBytes;
+    return panel + gi * kGroupBytes;
+  }
+  // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale and offset.
+  static void scales(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
+    const uint8_t* rec = group(panel, gi);
+    if constexpr (FORMAT == kSuperNibbles) {
+      const uint8_t* super = panel + gi / kSuperGroups * kSuperBytes;
+      scale = vmul(f16_to_vec(super + 2 * v * kVec), u8_to_vec(rec + v * kVec));
+      offset = vneg(vmul(f16_to_vec(super + 2 * kPanel + 2 * v * kVec), u8_to_vec(rec + kPanel + v * kVec)));
+    } else {
+      const float* header = reinterpret_cast<const float*>(rec);
+      scale = vload(header + v * kVec);
+      offset = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
+    }
+  }
+};
 
 #ifndef SELFSPEC_QPREFETCH
 #define SELFSPEC_QPREFETCH 4096
@@ -149,10 +196,9 @@ inline vec byte_weights(const uint8_t* q, vec scale) { return vmul(scale, i8_to_
 template <int FORMAT, int G, int ROWS, int PANELS>
 void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0, int64_t k1,
            float* y, int64_t N, const float* bias, bool first, bool last) {
+  using L = Layout<FORMAT, G>;
   constexpr int V = PANELS * kVecPerPanel;
-  constexpr int64_t kGroupBytes = group_bytes<FORMAT, G>();
-  constexpr int kHeader = FORMAT == kNibbles ? 2 * 4 * kPanel : 4 * kPanel;
-  const int64_t panel_bytes = K / G * kGroupBytes;
+  const int64_t panel_bytes = L::panel_bytes(K);
   vec acc[ROWS][V];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
@@ -161,20 +207,18 @@ void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0,
     vec scale[V], offset[V];
 #pragma GCC unroll 4
     for (int g = 0; g < PANELS; ++g) {
-      const uint8_t* rec = wq + (p0 + g) * panel_bytes + g0 / G * kGroupBytes;
-      for (int64_t line = 0; line < kGroupBytes; line += 64)
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      const uint8_t* rec = L::group(panel, g0 / G);
+      for (int64_t line = 0; line < L::kGroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
-      const float* header = reinterpret_cast<const float*>(rec);
 #pragma GCC unroll 2
-      for (int v = 0; v < kVecPerPanel; ++v) {
-        scale[g * kVecPerPanel + v] = vload(header + v * kVec);
-        offset[g * kVecPerPanel + v] = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
-      }
-      q[g] = rec + kHeader;
+      for (int v = 0; v < kVecPerPanel; ++v)
+        L::scales(panel, g0 / G, v, scale[g * kVecPerPanel + v], offset[g * kVecPerPanel + v]);
+      q[g] = rec + L::kGroupHeader;
     }
     // Every loop inside a group is fully unrolled: the accumulators then stay in registers for the
     // whole k-block (GCC otherwise stores them to the stack after each step of an inner loop).
-    if constexpr (FORMAT == kNibbles) {
+    if constexpr (L::kNibbleQ) {
 #pragma GCC unroll 16
       for (int t = 0; t < G / 2; ++t) {
         vec w0[V], w1[V];
@@ -310,12 +354,13 @@ torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, 
 }
 
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
-  TORCH_CHECK((format == kNibbles && group == 32) || (format == kBytes && (group == 16 || group == 32)),
+  TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
-  TORCH_CHECK(K % group == 0, "in_features ", K, " is not a multiple of the group size ", group);
-  const int64_t per_group = format == kNibbles ? group_bytes<kNibbles, 32>()
-                          : group == 16 ? group_bytes<kBytes, 16>() : group_bytes<kBytes, 32>();
-  return K / group * per_group;
+  const int64_t multiple = format == kSuperNibbles ? 256 : group;
+  TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
+  if (format == kSuperNibbles) return Layout<kSuperNibbles, 32>::panel_bytes(K);
+  if (format == kNibbles) return Layout<kNibbles, 32>::panel_bytes(K);
+  return group == 16 ? Layout<kBytes, 16>::panel_bytes(K) : Layout<kBytes, 32>::panel_bytes(K);
 }
 
 template <int FORMAT, int G>
@@ -324,36 +369,31 @@ GroupFn quant_group_for_rows(int64_t M) {
 }
 
 GroupFn quant_group_fn(int64_t format, int64_t group, int64_t M) {
+  if (format == kSuperNibbles) return quant_group_for_rows<kSuperNibbles, 32>(M);
   if (format == kNibbles) return quant_group_for_rows<kNibbles, 32>(M);
   return group == 16 ? quant_group_for_rows<kBytes, 16>(M) : quant_group_for_rows<kBytes, 32>(M);
 }
 
 // Panels [0, P) rebuilt as float32, laid out like pack_weight: [P, K, 16].
 template <int FORMAT, int G>
-void dequantize_panel(const uint8_t* wq, int64_t K, float* out) {
-  constexpr int64_t kGroupBytes = group_bytes<FORMAT, G>();
-  constexpr int kHeader = FORMAT == kNibbles ? 2 * 4 * kPanel : 4 * kPanel;
+void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
+  using L = Layout<FORMAT, G>;
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const uint8_t* rec = wq + g0 / G * kGroupBytes;
-    const float* header = reinterpret_cast<const float*>(rec);
-    vec scale[kVecPerPanel], offset[kVecPerPanel];
+    const uint8_t* q = L::group(panel, g0 / G) + L::kGroupHeader;
     for (int v = 0; v < kVecPerPanel; ++v) {
-      scale[v] = vload(header + v * kVec);
-      offset[v] = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
-    }
-    const uint8_t* q = rec + kHeader;
-    constexpr int kSteps = FORMAT == kNibbles ? G / 2 : G;
-    for (int t = 0; t < kSteps; ++t)
-      for (int v = 0; v < kVecPerPanel; ++v) {
-        if constexpr (FORMAT == kNibbles) {
+      vec scale, offset;
+      L::scales(panel, g0 / G, v, scale, offset);
+      for (int t = 0; t < (L::kNibbleQ ? G / 2 : G); ++t) {
+        if constexpr (L::kNibbleQ) {
           vec w0, w1;
-          nibble_weights(q + t * kPanel + v * kVec, scale[v], offset[v], w0, w1);
+          nibble_weights(q + t * kPanel + v * kVec, scale, offset, w0, w1);
           vstore(out + (g0 + 2 * t) * kPanel + v * kVec, w0);
           vstore(out + (g0 + 2 * t + 1) * kPanel + v * kVec, w1);
         } else {
-          vstore(out + (g0 + t) * kPanel + v * kVec, byte_weights(q + t * kPanel + v * kVec, scale[v]));
+          vstore(out + (g0 + t) * kPanel + v * kVec, byte_weights(q + t * kPanel + v * kVec, scale));
         }
       }
+    }
   }
 }
 
@@ -388,7 +428,8 @@ torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group,
   auto out = torch::empty({P, K, kPanel}, torch::dtype(torch::kFloat32));
   const uint8_t* src = wq.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  auto fn = format == kNibbles ? &dequantize_panel<kNibbles, 32>
+  auto fn = format == kSuperNibbles ? &dequantize_panel<kSuperNibbles, 32>
+          : format == kNibbles ? &dequantize_panel<kNibbles, 32>
           : group == 16 ? &dequantize_panel<kBytes, 16> : &dequantize_panel<kBytes, 32>;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
