@@ -6,7 +6,7 @@ more bytes than the file holds. In this mode each linear layer keeps the file's 
 repacked into the 16-wide panels of the ``packed`` mode, and the kernel rebuilds every weight
 in registers as exactly the float32 value the file dequantizes to (ggml's formula, one
 rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit for bit, from
-a fifth of the bytes (1.37 GB per pass for the 1.5B instead of 6.2). At load, the first and
+a fifth of the bytes (1.18 GB per pass for the 1.5B instead of 6.2). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
