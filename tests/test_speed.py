@@ -100,3 +100,25 @@ def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
     assert seen and not any(seen)
     assert result["config"]["speed_mode"] == "packed"
     assert result["methods"]["self_speculative"]["identical_to_autoregressive"] is True
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_grouped_sdpa_gives_transformers_sdpa_results_bit_for_bit(qwen05_packed):
+    """Packed modes let torch read grouped key/value heads in masked (verify) passes instead of
+    transformers' repeat_kv copies: same logits, bit for bit."""
+    from selfspec.speed import GROUPED_SDPA
+
+    engine = qwen05_packed
+    model, runner = engine.loaded.model, engine.runner
+    assert model.config._attn_implementation == GROUPED_SDPA
+    ids = torch.tensor(engine.encode(PROMPTS[1], chat=True))
+    runner.reset(ids.numel() + 8)
+    runner.forward(ids[:-6], 0, last_logits_only=True)
+    try:
+        grouped = runner.forward(ids[-6:], ids.numel() - 6)[0]
+        model.set_attn_implementation("sdpa")
+        plain = runner.forward(ids[-6:], ids.numel() - 6)[0]
+    finally:
+        model.set_attn_implementation(GROUPED_SDPA)
+    assert torch.equal(grouped, plain)
