@@ -12,6 +12,7 @@ id (for users who can reach a hub) also work.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -268,6 +269,19 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
             os.rename(tmp_dir, final_dir)
 
 
+@contextlib.contextmanager
+def _staging(prefix: str):
+    """A fresh work folder inside the cache (same filesystem: finished entries are renamed into
+    place), removed afterwards whatever happens."""
+    root = cache_dir() / "staging"
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def ensure_bundled(name: str) -> Path:
     """Return the cached safetensors folder of a bundled model, building it on first use."""
     spec = KNOWN_MODELS.get(name)
@@ -276,17 +290,12 @@ def ensure_bundled(name: str) -> Path:
     final_dir = cached_model_dir(name)
     if (final_dir / MARKER_FILE).is_file():
         return final_dir
-    staging_root = cache_dir() / "staging"
-    staging_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=staging_root))
-    try:
+    with _staging(name) as work:
         gguf_path = fetch_gguf(spec, work / "gguf")
         out_dir = work / "model"
         _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
         os.rename(gguf_path, out_dir / GGUF_FILE)  # kept for speed mode gguf
         _publish(out_dir, final_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return final_dir
 
 
@@ -305,13 +314,8 @@ def gguf_source(name_or_path: str, folder: str | Path) -> Path:
             "from one. Pass a .gguf file or a bundled model name, or use --speed packed."
         )
     # Cached before selfspec kept the file: fetch it again (verified against its sha256).
-    staging_root = cache_dir() / "staging"
-    staging_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=staging_root))
-    try:
+    with _staging(spec.name) as work:
         os.replace(fetch_gguf(spec, work), kept)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return kept
 
 
@@ -322,16 +326,11 @@ def ensure_local_gguf(path: Path) -> Path:
     final_dir = cache_dir() / "models" / f"gguf-{digest[:16]}"
     if (final_dir / MARKER_FILE).is_file():
         return final_dir
-    staging_root = cache_dir() / "staging"
-    staging_root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gguf-", dir=staging_root))
-    try:
+    with _staging("gguf") as work:
         link = work / path.name
         os.symlink(path.resolve(), link)
         _convert_gguf(link, work / "model", source=f"{path} sha256:{digest}")
         _publish(work / "model", final_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return final_dir
 
 

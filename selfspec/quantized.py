@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from selfspec.errors import SelfSpecError
-from selfspec.speed import KERNEL_MAX_ROWS, pack_weight
+from selfspec.speed import KERNEL_MAX_ROWS, matmul_panels, pack_weight
 
 PANEL = 16
 NIBBLES, BYTES, SUPER_NIBBLES = 0, 1, 2  # kernel formats (kernels/packed_linear.cpp)
@@ -167,7 +167,7 @@ class QuantLinear(nn.Module):
             chunks = []
             for first in range(0, panels, _DEQUANT_CHUNK_PANELS):
                 weight = self.dequantized_panels(first, min(panels, first + _DEQUANT_CHUNK_PANELS))
-                chunks.append(torch.matmul(rows, weight).permute(1, 0, 2).reshape(rows.shape[0], -1))
+                chunks.append(matmul_panels(rows, weight))
             out = torch.cat(chunks, dim=1)
             if bias is not None:
                 out = out + bias
@@ -278,7 +278,7 @@ def _module(model: nn.Module, dotted: str) -> nn.Module:
                             "it. Use --speed packed.") from exc
 
 
-def quantize_model(model: nn.Module, gguf_path: Path, kernel, group_panels: int) -> int:
+def quantize_model(model: nn.Module, gguf_path: Path, kernel) -> int:
     """Swap the decoder's and the head's nn.Linear modules for QuantLinear built from the file."""
     from selfspec.adapters import adapter_for
 
@@ -295,7 +295,7 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, group_panels: int)
         if tensor is None or not isinstance(linear, nn.Linear):
             raise SelfSpecError(f"{gguf_path.name} has no tensor {gguf_name} for {module_name}; "
                                 "speed mode gguf cannot map this file onto the model. Use --speed packed.")
-        if linear.out_features % (PANEL * group_panels):
+        if linear.out_features % (PANEL * kernel.panels_per_group()):
             continue  # stays float32 (never the case for the bundled models)
         if (tensor.rows, tensor.columns) != (linear.out_features, linear.in_features):
             raise SelfSpecError(f"{gguf_name} in {gguf_path.name} is [{tensor.rows}, {tensor.columns}], but "
@@ -329,10 +329,3 @@ def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_
                 "model's, or changed since it was converted. Use --speed packed, or remove the model's "
                 "cache folder to convert it again."
             )
-
-
-def report(model: nn.Module) -> str:
-    """Bytes held by the quantized layers, for the user."""
-    total = sum(m.quant_weight.numel() for m in model.modules() if isinstance(m, QuantLinear))
-    kinds = sorted({m.type_name for m in model.modules() if isinstance(m, QuantLinear)})
-    return f"{total / 1e9:.2f} GB of {'/'.join(kinds)} weights"

@@ -131,6 +131,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // _PANEL, _PANEL, k).transpose(1, 2).contiguous()
 
 
+def matmul_panels(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ panels [P, K, 16] -> [M, 16P] with BLAS, for long (prefill) passes. The gguf
+    mode runs it too, on rebuilt panels, so both modes prefill with the same arithmetic."""
+    return torch.matmul(rows, panels).permute(1, 0, 2).reshape(rows.shape[0], -1)
+
+
 class PackedLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` whose weight lives in panels; float32 on CPU."""
 
@@ -153,7 +159,7 @@ class PackedLinear(nn.Module):
         if rows.shape[0] <= KERNEL_MAX_ROWS:
             out = self.kernel.packed_linear(rows, weight, bias)
         else:
-            out = torch.matmul(rows, weight).permute(1, 0, 2).reshape(rows.shape[0], n)
+            out = matmul_panels(rows, weight)
             if bias is not None:
                 out = out + bias
         return out.view(*x.shape[:-1], n)
@@ -248,6 +254,6 @@ def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None)
     if mode == "gguf":
         from selfspec.quantized import quantize_model
 
-        quantize_model(model, gguf_path, load_kernel(), load_kernel().panels_per_group())
+        quantize_model(model, gguf_path, load_kernel())
     if mode in ("packed", "gguf"):
         pack_model(model)  # in gguf mode: what the file did not hold, and the rest gets its own memory

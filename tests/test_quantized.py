@@ -94,7 +94,7 @@ def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
     model = tiny_llama.loaded.model
     before = [type(m) for m in model.modules()]
     with pytest.raises(SelfSpecError, match="not the model's"):
-        quantized.quantize_model(model, source, load_kernel(), 4)
+        quantized.quantize_model(model, source, load_kernel())
     assert [type(m) for m in model.modules()] == before
     with pytest.raises(SelfSpecError, match="did not come from one"):
         gguf_source(str(tmp_path), tmp_path)

@@ -353,25 +353,22 @@ torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, 
   return y;
 }
 
-int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
+// f(format, group) with both as compile-time constants, for a runtime (format, group).
+template <typename F>
+auto with_format(int64_t format, int64_t group, F&& f) {
+  using std::integral_constant;
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
+  if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});
+  if (format == kNibbles) return f(integral_constant<int, kNibbles>{}, integral_constant<int, 32>{});
+  if (group == 16) return f(integral_constant<int, kBytes>{}, integral_constant<int, 16>{});
+  return f(integral_constant<int, kBytes>{}, integral_constant<int, 32>{});
+}
+
+int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
   const int64_t multiple = format == kSuperNibbles ? 256 : group;
   TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
-  if (format == kSuperNibbles) return Layout<kSuperNibbles, 32>::panel_bytes(K);
-  if (format == kNibbles) return Layout<kNibbles, 32>::panel_bytes(K);
-  return group == 16 ? Layout<kBytes, 16>::panel_bytes(K) : Layout<kBytes, 32>::panel_bytes(K);
-}
-
-template <int FORMAT, int G>
-GroupFn quant_group_for_rows(int64_t M) {
-  return group_for_rows<uint8_t, QuantTiles<FORMAT, G>::template With, kQuantMaxPanels>(M);
-}
-
-GroupFn quant_group_fn(int64_t format, int64_t group, int64_t M) {
-  if (format == kSuperNibbles) return quant_group_for_rows<kSuperNibbles, 32>(M);
-  if (format == kNibbles) return quant_group_for_rows<kNibbles, 32>(M);
-  return group == 16 ? quant_group_for_rows<kBytes, 16>(M) : quant_group_for_rows<kBytes, 32>(M);
+  return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
 }
 
 // Panels [0, P) rebuilt as float32, laid out like pack_weight: [P, K, 16].
@@ -417,7 +414,11 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t format, in
               "x has ", x.size(1), " features, which does not match the quantized weight");
   TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
   x = x.contiguous();
-  return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0), quant_group_fn(format, group, x.size(0)), bias);
+  const GroupFn run = with_format(format, group, [&](auto f, auto g) {
+    using Tiles = QuantTiles<decltype(f)::value, decltype(g)::value>;
+    return group_for_rows<uint8_t, Tiles::template With, kQuantMaxPanels>(x.size(0));
+  });
+  return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0), run, bias);
 }
 
 torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group, int64_t K) {
@@ -428,9 +429,7 @@ torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group,
   auto out = torch::empty({P, K, kPanel}, torch::dtype(torch::kFloat32));
   const uint8_t* src = wq.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  auto fn = format == kSuperNibbles ? &dequantize_panel<kSuperNibbles, 32>
-          : format == kNibbles ? &dequantize_panel<kNibbles, 32>
-          : group == 16 ? &dequantize_panel<kBytes, 16> : &dequantize_panel<kBytes, 32>;
+  auto fn = with_format(format, group, [](auto f, auto g) { return &dequantize_panel<decltype(f)::value, decltype(g)::value>; });
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
   });
