@@ -384,6 +384,7 @@ def run_bench(
     from selfspec.engine import Engine
     from selfspec.models import LoadedModel, load_model, unmodified
     from selfspec.prompts import Prompt
+    from selfspec.speed import NUMERICS
 
     if max_new_tokens < 1:
         raise SelfSpecError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -408,6 +409,10 @@ def run_bench(
     chosen, skipped = resolve_methods(methods, plan=plan, draft=draft_name, model_name=model_name,
                                       custom=custom, explicit=explicit)
     notes.extend(skipped)
+    if engine.loaded.speed in NUMERICS:
+        notes.append(f"speed mode {engine.loaded.speed} changes the numerics ({NUMERICS[engine.loaded.speed]}), so "
+                     f"selfspec's methods need not match {BASELINE} token for token; speculation is checked against "
+                     "selfspec's own plain decoding in the same mode.")
     if draft_name and not isinstance(draft, LoadedModel) and draft_name != model_name and any(
             registry[m].needs == "draft" for m in chosen):
         _check_draft_tokenizer(engine, draft_name)  # fail now, not after the target-only methods ran

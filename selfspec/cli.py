@@ -15,6 +15,7 @@ import sys
 
 from selfspec.errors import SelfSpecError
 from selfspec.models import DEFAULT_MODEL
+from selfspec.speed import NUMERICS, SPEED_MODES
 
 # Each of these modules provides add_arguments(parser) and run(args) -> int.
 _SUBCOMMAND_MODULES = {
@@ -30,10 +31,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_default: str | No
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights dtype (default float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--speed", choices=["auto", "torch", "packed", "gguf"], default="auto",
+    parser.add_argument("--speed", choices=SPEED_MODES, default="auto",
                         help="weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same "
                              "results from the GGUF file's quantized weights, a fifth of the memory traffic), "
-                             "torch (the model as transformers builds it) or auto (packed where it builds; default)")
+                             "gguf-q8 (those weights times activations rounded to 8 bits, as llama.cpp does: "
+                             "faster, but not the float32 model's numerics), torch (the model as transformers "
+                             "builds it) or auto (packed where it builds; default)")
 
 
 def torch_dtype(name: str | None):
@@ -162,7 +165,8 @@ def cmd_generate(args) -> int:
         f"{s.target_passes} target passes, mean accepted length {s.mean_accepted_length:.2f}, "
         f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})"
         f"{'; fell back to plain decoding at token %d' % s.fell_back_at_token if s.fell_back else ''}; "
-        f"stop: {s.stop_reason}",
+        f"stop: {s.stop_reason}"
+        f"{f'; speed mode {result.speed_mode}: {result.numerics}' if result.speed_mode in NUMERICS else ''}",
         file=sys.stderr,
     )
     return 0

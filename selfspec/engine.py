@@ -19,15 +19,16 @@ from selfspec.models import DEFAULT_MODEL, LoadedModel, load_model
 from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
 from selfspec.runner import ModelRunner
 from selfspec.sampling import Sampling
+from selfspec.speed import NUMERICS, QUANTIZED_MODES
 
 REPO_SEARCH_DIR = Path(__file__).resolve().parent.parent / "search"
 
 
 def default_plan_path(model_name: str, speed: str | None = None) -> Path:
     """Plans live in the repo's search/<model>/plan.json, beside the recipe that produced them; one
-    searched in speed mode gguf (whose costs differ) in search/<model>/gguf/plan.json."""
+    searched in a quantized speed mode (whose costs differ) in search/<model>/<mode>/plan.json."""
     folder = REPO_SEARCH_DIR / model_name
-    return folder / "gguf" / "plan.json" if speed == "gguf" else folder / "plan.json"
+    return folder / speed / "plan.json" if speed in QUANTIZED_MODES else folder / "plan.json"
 
 
 @dataclass
@@ -36,9 +37,16 @@ class GenerationResult:
     token_ids: list[int]
     prompt_tokens: int
     stats: DecodeStats
+    speed_mode: str = "torch"
+
+    @property
+    def numerics(self) -> str:
+        """What arithmetic produced the tokens: the float32 model's, or a precision mode's own."""
+        return NUMERICS.get(self.speed_mode, "the model's own")
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "prompt_tokens": self.prompt_tokens, **self.stats.to_dict()}
+        return {"text": self.text, "prompt_tokens": self.prompt_tokens, "speed_mode": self.speed_mode,
+                "numerics": self.numerics, **self.stats.to_dict()}
 
 
 class TextStream:
@@ -74,6 +82,8 @@ class Engine:
     # -- plans and drafters -----------------------------------------------------------------
     def default_plan(self) -> SkipPlan | None:
         path = default_plan_path(self.loaded.name, self.loaded.speed)
+        if not path.is_file() and self.loaded.speed == "gguf-q8":  # the closest costs: same weights
+            path = default_plan_path(self.loaded.name, "gguf")
         if not path.is_file():
             path = default_plan_path(self.loaded.name)
         return self.load_plan(path) if path.is_file() else None
@@ -162,4 +172,4 @@ class Engine:
         stream = TextStream(self.tokenizer, on_text) if on_text else None
         ids, stats = generate_ids(self.runner, prompt_ids, config, drafter, self.tokenizer, on_tokens=stream)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return GenerationResult(text, ids, len(prompt_ids), stats)
+        return GenerationResult(text, ids, len(prompt_ids), stats, self.loaded.speed)

@@ -381,13 +381,13 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
                speed: str = "torch") -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
-    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf"); "torch" leaves
+    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8"); "torch" leaves
     the model exactly as transformers builds it.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfspec.speed import apply_speed_mode, resolve_speed_mode
+    from selfspec.speed import QUANTIZED_MODES, apply_speed_mode, resolve_speed_mode
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SelfSpecError("--device cuda was asked for, but torch sees no CUDA device. Use --device cpu.")
@@ -402,7 +402,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=Non
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    apply_speed_mode(model, speed, gguf_source(name_or_path, folder) if speed == "gguf" else None)
+    apply_speed_mode(model, speed, gguf_source(name_or_path, folder) if speed in QUANTIZED_MODES else None)
     return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed)
 
 

@@ -45,6 +45,21 @@ class Decoded:
     format: int
     factors: tuple | None = None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8
 
+    def weights(self, first: int, last: int) -> np.ndarray:
+        """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
+        float32, so adding the offset rounds once, like ggml's formula."""
+        q = self.q[first:last].astype(np.float32)
+        rows, k = q.shape
+        if self.format == SUPER_NIBBLES:
+            d, dmin, sc, m = (f[first:last].astype(np.float32) for f in self.factors)
+            scale = np.repeat(d, 256 // self.group, axis=1) * sc
+            offset = -(np.repeat(dmin, 256 // self.group, axis=1) * m)
+        else:
+            scale = self.scale[first:last]
+            offset = self.offset[first:last] if self.offset is not None else None
+        w = np.repeat(scale, self.group, axis=1) * q
+        return w + np.repeat(offset, self.group, axis=1) if offset is not None else w
+
 
 def _f16(column: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
@@ -109,24 +124,46 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Decoded:
     return decoder(raw, rows)
 
 
-def pack(decoded: Decoded) -> torch.Tensor:
-    """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout."""
+def _q_float_arrangement(decoded: Decoded) -> np.ndarray:
+    """[N, groups, bytes] in mode gguf's arrangement: per k a byte (BYTES) or per 2 k a byte, k even low."""
     n, k = decoded.q.shape
-    g, panels, groups = decoded.group, n // PANEL, k // decoded.group
+    groups = k // decoded.group
+    if decoded.format == BYTES:
+        return decoded.q.view(np.uint8).reshape(n, groups, decoded.group)
+    pairs = decoded.q.reshape(n, groups, decoded.group // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
+    """[P, groups, bytes] in mode gguf-q8's arrangement: per 4 consecutive k, 16 lanes x 4 bytes (one VNNI
+    operand). Nibbles: vector t holds k = 4t.. in its low nibbles and k = G/2 + 4t.. in its high ones.
+    Bytes: q + 128 as uint8."""
+    n, k = decoded.q.shape
+    g, groups = decoded.group, k // decoded.group
+    q = decoded.q.reshape(n, groups, g)
+    if decoded.format == BYTES:
+        q = q.view(np.uint8) ^ np.uint8(0x80)
+    else:
+        q = q[..., : g // 2] | (q[..., g // 2:] << 4)
+    q = q.reshape(n // PANEL, PANEL, groups, -1, 4)
+    return np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, groups, -1)
+
+
+def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
+    """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode gguf-q8's
+    arrangement of each group's integers; headers and sizes are the same)."""
+    n, k = decoded.q.shape
+    panels = n // PANEL
 
     def lanes_last(a: np.ndarray) -> np.ndarray:  # [N, blocks, ...] -> [P, blocks, ... * 16]
         blocks = a.shape[1]
         a = a.reshape(panels, PANEL, blocks, -1)
         return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, blocks, -1)
 
-    if decoded.format == BYTES:
-        q = decoded.q.view(np.uint8).reshape(n, groups, g)
-    else:
-        pairs = decoded.q.reshape(n, groups, g // 2, 2)
-        q = pairs[..., 0] | (pairs[..., 1] << 4)  # k even in the low nibble
+    q = _q_vnni_arrangement(decoded) if vnni else lanes_last(_q_float_arrangement(decoded))
     if decoded.format == SUPER_NIBBLES:  # per 256 k: d, dmin; per group: sc, m, q
         d, dmin, sc, m = decoded.factors
-        groups_record = np.concatenate([lanes_last(sc), lanes_last(m), lanes_last(q)], axis=2)
+        groups_record = np.concatenate([lanes_last(sc), lanes_last(m), q], axis=2)
         supers = k // 256
         record = np.concatenate([lanes_last(d).view(np.uint8), lanes_last(dmin).view(np.uint8),
                                  groups_record.reshape(panels, supers, -1)], axis=2)
@@ -134,7 +171,7 @@ def pack(decoded: Decoded) -> torch.Tensor:
     header = [lanes_last(decoded.scale).view(np.uint8)]
     if decoded.format == NIBBLES:
         header.append(lanes_last(decoded.offset).view(np.uint8))
-    record = np.concatenate([*header, lanes_last(q)], axis=2)
+    record = np.concatenate([*header, q], axis=2)
     return torch.from_numpy(record.reshape(panels, -1))
 
 
@@ -143,11 +180,13 @@ class QuantLinear(nn.Module):
 
     reads_prefix = True  # forward(x, out_features) reads only the first outputs' weights
 
+    vnni = False  # the arrangement of each group's integers (see pack)
+
     def __init__(self, linear: nn.Linear, decoded: Decoded, kernel, type_name: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel, self.format, self.group, self.type_name = kernel, decoded.format, decoded.group, type_name
-        self.register_buffer("quant_weight", pack(decoded))
+        self.register_buffer("quant_weight", pack(decoded, vnni=self.vnni))
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
@@ -176,6 +215,28 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weights={self.type_name} as 16-wide panels")
+
+
+class Q8Linear(QuantLinear):
+    """Speed mode gguf-q8: the file's integers times the activations rounded to 8 bits per 32 values,
+    summed with integer dot products (AVX-512 VNNI), as llama.cpp does. Not the float32 model's
+    numerics, so not its logits; every pass, prefill included, runs the same per-row arithmetic, so
+    speculation in this mode is still identical to plain decoding in this mode."""
+
+    vnni = True
+
+    def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        raise NotImplementedError("gguf-q8 panels are arranged for integer dot products")
+
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        n = out_features or self.out_features
+        bias = self.bias[:n] if self.bias is not None else None
+        rows = x.reshape(-1, self.in_features)
+        out = self.kernel.q8_linear(rows, self.quant_weight[: n // PANEL], self.format, self.group, bias, False)
+        return out.view(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", activations rounded to 8 bits"
 
 
 # GGUF tensor names of a llama-style decoder's linear layers (llama.cpp's naming, shared by the
@@ -278,8 +339,9 @@ def _module(model: nn.Module, dotted: str) -> nn.Module:
                             "it. Use --speed packed.") from exc
 
 
-def quantize_model(model: nn.Module, gguf_path: Path, kernel) -> int:
-    """Swap the decoder's and the head's nn.Linear modules for QuantLinear built from the file."""
+def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool = False) -> int:
+    """Swap the decoder's and the head's nn.Linear modules for QuantLinear (``activations8``: Q8Linear)
+    built from the file."""
     from selfspec.adapters import adapter_for
 
     adapter = adapter_for(model)
@@ -306,13 +368,34 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel) -> int:
         if rows is not None:
             raw = raw[rows]
         decoded = decode(raw, tensor.type_name, linear.out_features)
-        quant = QuantLinear(linear, decoded, kernel, tensor.type_name)
-        _check_exact(quant, linear.weight, gguf_name, gguf_path)
+        if activations8:
+            _check_decoded(decoded, linear.weight, gguf_name, gguf_path)
+            quant = Q8Linear(linear, decoded, kernel, tensor.type_name)
+        else:
+            quant = QuantLinear(linear, decoded, kernel, tensor.type_name)
+            _check_exact(quant, linear.weight, gguf_name, gguf_path)
         swaps.append((module_name, quant))
     for module_name, quant in swaps:
         parent, _, child = module_name.rpartition(".")
         setattr(_module(model, parent) if parent else model, child, quant)
     return len(swaps)
+
+
+def _not_the_models(gguf_name: str, gguf_path: Path) -> SelfSpecError:
+    return SelfSpecError(
+        f"{gguf_name} in {gguf_path} does not hold the loaded model's weights. The file is not this "
+        "model's, or changed since it was converted. Use --speed packed, or remove the model's "
+        "cache folder to convert it again."
+    )
+
+
+def _check_decoded(decoded: Decoded, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
+    """As _check_exact, on the decoded integers (gguf-q8 panels are not arranged to be rebuilt)."""
+    rows = weight.shape[0]
+    span = _CHECK_PANELS * PANEL
+    for first, last in ((0, min(rows, span)), (max(0, rows - span), rows)):
+        if not np.array_equal(decoded.weights(first, last), weight[first:last].detach().numpy()):
+            raise _not_the_models(gguf_name, gguf_path)
 
 
 def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
@@ -324,8 +407,4 @@ def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_
     for first, last in ((0, min(panels, _CHECK_PANELS)), (max(0, panels - _CHECK_PANELS), panels)):
         expected = pack_weight(weight[first * PANEL: last * PANEL])
         if not torch.equal(quant.dequantized_panels(first, last), expected):
-            raise SelfSpecError(
-                f"{gguf_name} in {gguf_path} does not hold the loaded model's weights. The file is not this "
-                "model's, or changed since it was converted. Use --speed packed, or remove the model's "
-                "cache folder to convert it again."
-            )
+            raise _not_the_models(gguf_name, gguf_path)

@@ -11,6 +11,12 @@
   Q6_K, ...) and the kernel rebuilds each float32 weight in registers: the same logits as
   ``packed``, bit for bit, from a fifth of the memory traffic (``selfspec.quantized``). Opt-in;
   for models that came from a GGUF file.
+- ``gguf-q8``: the GGUF file's integers times the activations rounded to 8 bits (per 32 values),
+  summed with integer dot products (AVX-512 VNNI), as llama.cpp does: 2-5x less arithmetic than
+  ``gguf``, so verify passes and prefill cost far less. **Changes the numerics**: the logits are
+  not the float32 model's (relative error about 1e-2 per layer output), and output can differ
+  from the other modes after a few tokens. Speculation in this mode is still identical to plain
+  decoding in this mode. Opt-in; CPUs with AVX-512 VNNI.
 - ``auto`` (default): ``packed`` on a CPU that can build the kernel, else ``torch``.
 
 Modules are swapped on the one model instance selfspec loaded; transformers itself is untouched.
@@ -30,7 +36,12 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError
 
-SPEED_MODES = ("auto", "torch", "packed", "gguf")
+SPEED_MODES = ("auto", "torch", "packed", "gguf", "gguf-q8")
+QUANTIZED_MODES = ("gguf", "gguf-q8")  # read the GGUF file's own integers
+KERNEL_MODES = ("packed", *QUANTIZED_MODES)
+# Modes whose arithmetic is not the float32 model's: said in every stats line and bench.
+NUMERICS = {"gguf-q8": "activations rounded to 8 bits per 32 values (llama.cpp's arithmetic): "
+                       "not the float32 model's logits"}
 _KERNEL_SOURCE = Path(__file__).resolve().parent / "kernels" / "packed_linear.cpp"
 _PANEL = 16
 # Passes over at most this many tokens use the kernel, whose rows do not depend on each other:
@@ -207,10 +218,13 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
     if mode not in SPEED_MODES:
         raise SelfSpecError(f"unknown speed mode '{mode}'. Choose one of: {', '.join(SPEED_MODES)}.")
     cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if mode in ("packed", "gguf"):
+    if mode in KERNEL_MODES:
         if not cpu_fp32:
             raise SelfSpecError(f"--speed {mode} runs on the CPU in float32 only; use --speed torch here.")
-        load_kernel()  # raises a clear error when it cannot be built
+        kernel = load_kernel()  # raises a clear error when it cannot be built
+        if mode == "gguf-q8" and not kernel.q8_vectorized():
+            raise SelfSpecError("--speed gguf-q8 needs a CPU with AVX-512 VNNI (integer dot products), which this "
+                                "one lacks; use --speed gguf (same weights, float32 arithmetic).")
         return mode
     if mode == "auto":
         if not cpu_fp32:
@@ -249,11 +263,11 @@ def use_grouped_sdpa(model: nn.Module) -> None:
 
 
 def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:
-    if mode in ("packed", "gguf") and model.config._attn_implementation == "sdpa":
+    if mode in KERNEL_MODES and model.config._attn_implementation == "sdpa":
         use_grouped_sdpa(model)
-    if mode == "gguf":
+    if mode in QUANTIZED_MODES:
         from selfspec.quantized import quantize_model
 
-        quantize_model(model, gguf_path, load_kernel())
-    if mode in ("packed", "gguf"):
+        quantize_model(model, gguf_path, load_kernel(), activations8=mode == "gguf-q8")
+    if mode in KERNEL_MODES:
         pack_model(model)  # in gguf mode: what the file did not hold, and the rest gets its own memory

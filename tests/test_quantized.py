@@ -1,6 +1,7 @@
-"""Speed mode gguf: the GGUF file's integers rebuild exactly the float32 weights (checked against
-gguf's own dequantization), the quantized kernel returns packed mode's results bit for bit, and
-decoding in gguf mode is lossless."""
+"""Speed modes gguf and gguf-q8: the GGUF file's integers rebuild exactly the float32 weights
+(checked against gguf's own dequantization), the quantized kernel returns packed mode's results bit
+for bit, the 8-bit-activation kernel computes its documented formula, and decoding in either mode is
+lossless with respect to plain decoding in that mode."""
 
 import shutil
 
@@ -58,6 +59,52 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(typ
         assert torch.equal(got[m - 1:], kernel.quant_linear(x[m - 1:m], wq, decoded.format, decoded.group, bias))
 
 
+def eight_bit_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as gguf-q8 sees it: per row and block of 32, d * nearbyint(x * 127 / max|x|), d = max|x| / 127."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    a = torch.round(x.reshape(blocks.shape) * torch.where(amax > 0, 127 / amax, 0))  # round: ties to even
+    return (a.double() * (amax / 127).double()).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", sorted(BLOCKS))
+def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
+    """gguf-q8: the vector tiles give the scalar definition's bits, rows never depend on each other,
+    and the result is the float64 product of the rounded activations and the file's weights."""
+    rows, columns = 192, 1536
+    raw = random_blocks(type_name, rows, columns, seed=7 + len(type_name))
+    decoded = quantized.decode(raw, type_name, rows)
+    wq = quantized.pack(decoded, vnni=True)
+    weight = torch.from_numpy(decoded.weights(0, rows)).double()
+    kernel = load_kernel()
+    bias = torch.randn(rows)
+    x = torch.randn(100, columns) * torch.rand(100, 1) * 4
+    x[3, 64:96] = 0  # an all-zero block
+    for m in (1, 2, 3, 5, 6, 7, 12, 13, 25, 100):
+        got = kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, False)
+        assert torch.equal(got, kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, True)), m
+        assert torch.equal(got[m - 1:], kernel.q8_linear(x[m - 1:m], wq, decoded.format, decoded.group, bias, False))
+        expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m
+    # a prefix of the panels (the draft head's vocabulary) is the prefix of the outputs
+    assert torch.equal(kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
+                       kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64])
+
+
+def test_q8_mode_needs_vnni(monkeypatch):
+    from selfspec import speed
+
+    class NoVnni:
+        @staticmethod
+        def q8_vectorized():
+            return False
+
+    monkeypatch.setattr(speed, "load_kernel", lambda: NoVnni())
+    with pytest.raises(SelfSpecError, match="needs a CPU with AVX-512 VNNI.*use --speed gguf"):
+        speed.resolve_speed_mode("gguf-q8", "cpu", torch.float32)
+
+
 def test_unsupported_quantization_type_is_a_clear_error():
     with pytest.raises(SelfSpecError, match="reads Q4_K, Q4_1, Q6_K, Q8_0, Q5_0 weights; this file has IQ2_XS"):
         quantized.decode(np.zeros((64, 66), np.uint8), "IQ2_XS", 64)
@@ -93,9 +140,10 @@ def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
     # smollm2's file onto another llama: refused before anything is swapped
     model = tiny_llama.loaded.model
     before = [type(m) for m in model.modules()]
-    with pytest.raises(SelfSpecError, match="not the model's"):
-        quantized.quantize_model(model, source, load_kernel())
-    assert [type(m) for m in model.modules()] == before
+    for activations8 in (False, True):
+        with pytest.raises(SelfSpecError, match="not the model's"):
+            quantized.quantize_model(model, source, load_kernel(), activations8=activations8)
+        assert [type(m) for m in model.modules()] == before
     with pytest.raises(SelfSpecError, match="did not come from one"):
         gguf_source(str(tmp_path), tmp_path)
 
@@ -142,6 +190,34 @@ def test_gguf_mode_speculation_is_lossless(qwen05_packed, qwen05_gguf):
         for name, plan in plans_for(engine).items():
             result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
             assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf mode"
+
+
+@pytest.fixture(scope="session")
+def qwen05_q8():
+    from selfspec.engine import Engine
+    from selfspec.speed import load_kernel
+
+    if not kernel_available() or not load_kernel().q8_vectorized():
+        pytest.skip("speed mode gguf-q8 needs AVX-512 VNNI")
+    return Engine.load("qwen2.5-coder-0.5b", speed="gguf-q8")
+
+
+@pytest.mark.slow
+def test_q8_mode_is_close_to_the_float32_model_and_speculation_is_lossless(qwen05_gguf, qwen05_q8):
+    engine = qwen05_q8
+    ids = torch.tensor([engine.encode(" ".join(PROMPTS), chat=True)])
+    with torch.inference_mode():
+        exact, rounded = qwen05_gguf.loaded.model(ids).logits[0], engine.loaded.model(ids).logits[0]
+    # 8-bit activations change the numerics, a little: same next token at nearly every position
+    assert (exact.argmax(-1) == rounded.argmax(-1)).float().mean() > 0.9
+    assert not torch.equal(exact, rounded)
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt, chat=True)
+        plain = engine.generate(ids, None, max_new_tokens=24)
+        assert plain.to_dict()["speed_mode"] == "gguf-q8" and "8 bits" in plain.to_dict()["numerics"]
+        for name, plan in plans_for(engine).items():
+            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf-q8 mode"
 
 
 def test_gguf_mode_has_its_own_default_plan():

@@ -19,7 +19,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <utility>
 
 namespace {
@@ -146,6 +148,11 @@ constexpr int kNibbles = 0;
 constexpr int kBytes = 1;
 constexpr int kSuperNibbles = 2;
 
+#ifndef SELFSPEC_QPREFETCH
+#define SELFSPEC_QPREFETCH 4096
+#endif
+constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
+
 template <int FORMAT, int G>
 struct Layout {
   static constexpr bool kNibbleQ = FORMAT != kBytes;
@@ -163,6 +170,14 @@ struct Layout {
       return panel + gi / kSuperGroups * kSuperBytes + kSuperHeader + gi % kSuperGroups * kGroupBytes;
     return panel + gi * kGroupBytes;
   }
+  // As group(), asking for the bytes kQuantPrefetch ahead in the panel's stream: with many rows the
+  // loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle.
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
+    const uint8_t* rec = group(panel, gi);
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+    return rec;
+  }
   // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale and offset.
   static void scales(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
     const uint8_t* rec = group(panel, gi);
@@ -177,11 +192,6 @@ struct Layout {
     }
   }
 };
-
-#ifndef SELFSPEC_QPREFETCH
-#define SELFSPEC_QPREFETCH 4096
-#endif
-constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
 
 // One weight vector rebuilt from its integers: lanes [v * kVec, (v + 1) * kVec) of a panel.
 inline void nibble_weights(const uint8_t* q, vec scale, vec offset, vec& w_even, vec& w_odd) {
@@ -208,9 +218,7 @@ void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0,
 #pragma GCC unroll 4
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      const uint8_t* rec = L::group(panel, g0 / G);
-      for (int64_t line = 0; line < L::kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
 #pragma GCC unroll 2
       for (int v = 0; v < kVecPerPanel; ++v)
         L::scales(panel, g0 / G, v, scale[g * kVecPerPanel + v], offset[g * kVecPerPanel + v]);
@@ -335,16 +343,18 @@ GroupFn group_for_rows(int64_t M) {
   return &run_group_erased<W, Tiles, 1>;
 }
 
+const float* bias_pointer(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+              "bias must be ", N, " contiguous float32 values");
+  return bias->data_ptr<float>();
+}
+
 torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, GroupFn run,
                              const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = P * kPanel;
   auto y = torch::empty({M, N}, x.options());
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
-                "bias must be ", N, " contiguous float32 values");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_pointer(bias, N);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
@@ -371,6 +381,14 @@ int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
   return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
 }
 
+void check_quantized_operands(const torch::Tensor& x, const torch::Tensor& wq, int64_t format, int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be 2-d float32");
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, x.size(1)),
+              "x has ", x.size(1), " features, which does not match the quantized weight");
+  TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+}
+
 // Panels [0, P) rebuilt as float32, laid out like pack_weight: [P, K, 16].
 template <int FORMAT, int G>
 void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
@@ -394,6 +412,244 @@ void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Speed mode "gguf-q8": the file's integers times activations rounded to 8 bits, summed with
+// integer dot products (AVX-512 VNNI: 64 byte products per instruction instead of 16 float
+// multiply-adds), as llama.cpp does. This changes the numerics: not the float32 model's logits.
+//
+// Activations, per row and per block of 32 k: d = max|x| / 127, a = nearbyint(x * (127 / max|x|))
+// as int8 (all zero when max|x| is 0), and the sums S of a over each 16 k.
+// Weights: the layouts above, except how each group's integers are arranged: per 4 consecutive k,
+// 16 lanes x 4 bytes (one vpdpbusd operand). Nibble formats: vector t of a group holds k = 4t..4t+3
+// in its low nibbles and k = G/2 + 4t.. in its high nibbles. Byte formats hold q + 128 as uint8.
+// Per group g of output n and row m, in k order (one rounding per step, whatever the tile shape or
+// instruction set, so rows never depend on each other and the fallback gives the same bits):
+//   I = sum_k q[n, k] * a[m, k]  (exact int32)   - 128 * S    for byte formats
+//   y = fma(float(I), scale[n, g] * d[m, b(g)], y)
+//   y = fma(offset[n, g], d[m, b(g)] * float(S), y)          for formats with an offset
+// then y + bias.
+constexpr int kActBlock = 32;
+
+struct QuantizedRows {
+  torch::Tensor q;       // [M, K] int8
+  torch::Tensor d;       // [M, K / 32] float32
+  torch::Tensor sums16;  // [M, K / 16] int32
+};
+
+QuantizedRows quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kActBlock == 0, "in_features ", K, " is not a multiple of ", kActBlock);
+  QuantizedRows out{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kActBlock}, torch::kFloat32),
+                    torch::empty({M, K / 16}, torch::kInt32)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = out.q.data_ptr<int8_t>();
+  float* dp = out.d.data_ptr<float>();
+  int32_t* sp = out.sums16.data_ptr<int32_t>();
+  at::parallel_for(0, M * (K / kActBlock), 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = xp + b * kActBlock;
+      int8_t* qb = qp + b * kActBlock;
+      float amax = 0.0f;
+      for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      dp[b] = amax / 127.0f;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < kActBlock; ++i) {
+        const int8_t a = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        qb[i] = a;
+        (i < 16 ? s0 : s1) += a;
+      }
+      sp[2 * b] = s0;
+      sp[2 * b + 1] = s1;
+    }
+  });
+  return out;
+}
+
+template <int G>
+inline int32_t group_sum(const int32_t* sums16, int64_t g0) {
+  return G == 16 ? sums16[g0 / 16] : sums16[g0 / 16] + sums16[g0 / 16 + 1];
+}
+
+// Scalar version of the formula: the reference the vector tiles are tested against, and the
+// path on CPUs without AVX-512 VNNI.
+template <int FORMAT, int G>
+void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                        int64_t N, const float* bias) {
+  using L = Layout<FORMAT, G>;
+  const int8_t* aq = a.q.data_ptr<int8_t>();
+  const float* ad = a.d.data_ptr<float>();
+  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kPanel] = {};
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      float scale[kPanel], offset[kPanel];
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        vec s, o;
+        L::scales(panel, g0 / G, v, s, o);
+        vstore(scale + v * kVec, s);
+        vstore(offset + v * kVec, o);
+      }
+      const uint8_t* q = L::group(panel, g0 / G) + L::kGroupHeader;
+      const int8_t* am = aq + m * K + g0;
+      const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
+      const int32_t S = group_sum<G>(as + m * (K / 16), g0);
+      for (int j = 0; j < kPanel; ++j) {
+        int32_t I = 0;
+        for (int kk = 0; kk < G; ++kk) {
+          int32_t w;
+          if constexpr (L::kNibbleQ) {
+            const uint8_t byte = q[(kk % (G / 2)) / 4 * 64 + j * 4 + kk % 4];
+            w = kk < G / 2 ? (byte & 15) : (byte >> 4);
+          } else {
+            w = q[kk / 4 * 64 + j * 4 + kk % 4];
+          }
+          I += w * am[kk];
+        }
+        if constexpr (!L::kNibbleQ) I -= 128 * S;
+        acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
+        if constexpr (FORMAT != kBytes) acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+      }
+    }
+    for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr bool kHaveVnni = true;
+
+// Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
+// every (row, panel) pair stay in registers, then fold into the float accumulators.
+template <int FORMAT, int G, int ROWS, int PANELS>
+void q8tile(const int8_t* aq, const float* ad, const int32_t* as, int64_t K, const uint8_t* wq, int64_t p0, float* y,
+            int64_t N, const float* bias) {
+  using L = Layout<FORMAT, G>;
+  constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;  // 64-byte weight vectors per group and panel
+  const int64_t panel_bytes = L::panel_bytes(K);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[ROWS][PANELS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const uint8_t* q[PANELS];
+    __m512 scale[PANELS], offset[PANELS];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
+      L::scales(panel, g0 / G, 0, scale[g], offset[g]);
+      q[g] = rec + L::kGroupHeader;
+    }
+    __m512i dot[ROWS][PANELS];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int t = 0; t < kSteps; ++t) {
+      __m512i w0[PANELS], w1[PANELS];
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) {
+        const __m512i v = _mm512_loadu_si512(q[g] + t * 64);
+        if constexpr (L::kNibbleQ) {
+          w0[g] = _mm512_and_si512(v, low4);
+          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        } else {
+          w0[g] = v;
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* am = aq + r * K + g0 + 4 * t;
+        const __m512i a0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(am));
+#pragma GCC unroll 4
+        for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w0[g], a0);
+        if constexpr (L::kNibbleQ) {
+          const __m512i a1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(am + G / 2));
+#pragma GCC unroll 4
+          for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w1[g], a1);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) {
+      const float d = ad[r * (K / kActBlock) + g0 / kActBlock];
+      const int32_t S = group_sum<G>(as + r * (K / 16), g0);
+      const __m512 vd = _mm512_set1_ps(d);
+      const __m512 vc = _mm512_set1_ps(d * static_cast<float>(S));
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) {
+        __m512i I = dot[r][g];
+        if constexpr (!L::kNibbleQ) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * S));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
+        if constexpr (FORMAT != kBytes) acc[r][g] = _mm512_fmadd_ps(offset[g], vc, acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) {
+      __m512 out = acc[r][g];
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
+      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
+    }
+}
+
+using Q8TileFn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, int64_t, float*,
+                          int64_t, const float*);
+
+template <int FORMAT, int G, int PANELS, int... R>
+constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<int, R...>) {
+  return {&q8tile<FORMAT, G, R + 1, PANELS>...};
+}
+
+// Integer and float accumulators for every (row, panel) pair, beside each panel's scale, offset and
+// two weight vectors: at most 12 pairs.
+template <int FORMAT, int G, int PANELS>
+struct Q8Tiles {
+  static constexpr int kRows = 12 / PANELS;
+  static Q8TileFn get(int rows) {
+    static constexpr auto table = q8tile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
+    return table[rows - 1];
+  }
+};
+
+template <int FORMAT, int G, int PANELS>
+void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
+                  int64_t N, const float* bias) {
+  using T = Q8Tiles<FORMAT, G, PANELS>;
+  const int8_t* aq = a.q.data_ptr<int8_t>();
+  const float* ad = a.d.data_ptr<float>();
+  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += T::kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(T::kRows, M - m0));
+    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
+      T::get(rows)(aq + m0 * K, ad + m0 * (K / kActBlock), as + m0 * (K / 16), K, wq, p0, y + m0 * N, N, bias);
+  }
+}
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
+template <int FORMAT, int G>
+void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y, int64_t N,
+            const float* bias, bool reference) {
+  const int64_t panel_bytes = Layout<FORMAT, G>::panel_bytes(K);
+  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+      if (!reference) {
+        if (M == 1) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
+        else if (M <= 6) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
+        else q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
+        continue;
+      }
+#endif
+      for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
+        q8_reference_panel<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+    }
+  });
+}
 }  // namespace
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
@@ -408,11 +664,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<tor
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t format, int64_t group,
                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be 2-d float32");
-  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
-  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, x.size(1)),
-              "x has ", x.size(1), " features, which does not match the quantized weight");
-  TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+  check_quantized_operands(x, wq, format, group);
   x = x.contiguous();
   const GroupFn run = with_format(format, group, [&](auto f, auto g) {
     using Tiles = QuantTiles<decltype(f)::value, decltype(g)::value>;
@@ -438,10 +690,33 @@ torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group,
 
 int64_t panels_per_group() { return kGroup; }
 
+// x [M, K] float32 times quantized panels in the q8 arrangement (speed mode gguf-q8).
+// reference: the scalar path (the vector tiles must give the same bits).
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format, int64_t group,
+                        c10::optional<torch::Tensor> bias, bool reference) {
+  check_quantized_operands(x, wq, format, group);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = wq.size(0), N = P * kPanel;
+  const float* bp = bias_pointer(bias, N);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows a = quantize_rows(x);
+  with_format(format, group, [&](auto f, auto g) {
+    q8_run<decltype(f)::value, decltype(g)::value>(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp,
+                                                   reference || !kHaveVnni);
+    return 0;
+  });
+  return y;
+}
+
+bool q8_vectorized() { return kHaveVnni; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");
   m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias), W as quantized 16-wide panels");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [P, K, 16]");
   m.def("quant_panel_bytes", &quant_panel_bytes, "bytes per quantized panel");
   m.def("panels_per_group", &panels_per_group, "panel count granularity");
+  m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
+  m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has its AVX-512 VNNI path in this build");
 }
