@@ -238,33 +238,39 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
     return mode
 
 
-def _sdpa_grouped(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, except that with a mask (a verify pass) torch reads the grouped
-    key/value heads itself: transformers then copies every cached key and value once per query
-    head of its group (repeat_kv; 6x for Qwen2.5's 12 query / 2 key-value heads), which costs
-    3-14 ms per 28-layer pass over 4-8 tokens here. Same results, bit for bit (tested)."""
+def _attention_by_rows(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """Attention for the kernel speed modes: selfspec's kernel, one query row at a time in a fixed
+    order (``attention_rows`` in kernels/packed_linear.cpp), so a verify pass gives every row the
+    bits a one-token pass gives, and grouped key/value heads are read in place (transformers copies
+    them once per query head of the group for a masked pass). Features it does not cover (dropout,
+    soft-capping, position bias, paged caches) go to transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=kwargs.get("scaling"), enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+    plain = (dropout == 0.0 and kwargs.get("softcap") is None and kwargs.get("position_bias") is None
+             and kwargs.get("cache") is None and query.dtype == torch.float32 and query.device.type == "cpu"
+             and (attention_mask is None or attention_mask.dtype in (torch.bool, torch.float32)))
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return load_kernel().attention_rows(query, key, value, attention_mask, scale, bool(causal)), None
 
 
-GROUPED_SDPA = "selfspec_sdpa"
+ROW_ATTENTION = "selfspec_rows"
 
 
-def use_grouped_sdpa(model: nn.Module) -> None:
+def use_row_attention(model: nn.Module) -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(GROUPED_SDPA, _sdpa_grouped)  # adds a name; transformers' own stay as they are
-    model.set_attn_implementation(GROUPED_SDPA)
+    AttentionInterface.register(ROW_ATTENTION, _attention_by_rows)  # adds a name; transformers' own stay as they are
+    model.set_attn_implementation(ROW_ATTENTION)
 
 
 def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:
     if mode in KERNEL_MODES and model.config._attn_implementation == "sdpa":
-        use_grouped_sdpa(model)
+        use_row_attention(model)
     if mode in QUANTIZED_MODES:
         from selfspec.quantized import quantize_model
 

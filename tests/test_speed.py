@@ -103,22 +103,50 @@ def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
 
 
 @needs_kernel
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
+    """Kernel modes compute attention one query row at a time: close to torch's SDPA (grouped
+    heads, bool and float masks, no mask), and a row's bits do not depend on the other rows."""
+    kernel = load_kernel()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 5, 64, generator=gen)
+    k, v = (torch.randn(2, 2, 37, 64, generator=gen) for _ in range(2))
+    offset = 37 - 5  # cached prefix: row i sees keys 0..offset+i
+    allowed = torch.arange(37)[None, :] <= offset + torch.arange(5)[:, None]
+    allowed = allowed[None, None].expand(2, 1, 5, 37)
+    float_mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for mask in (allowed, float_mask):
+        got = kernel.attention_rows(q, k, v, mask, 0.125, causal)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+        assert torch.allclose(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        for i in range(5):
+            row = kernel.attention_rows(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.125, causal)
+            assert torch.equal(row, got[:, i:i + 1])
+    # no mask: causal from key 0 over several rows (prefill), every key for a single row
+    got = kernel.attention_rows(q, k[:, :, :5], v[:, :, :5], None, 0.125, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=causal, scale=0.125,
+                                                            enable_gqa=True)
+    assert torch.allclose(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    single = kernel.attention_rows(q[:, :, :1], k, v, None, 0.125, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.125, enable_gqa=True)
+    assert torch.allclose(single, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.slow
-def test_grouped_sdpa_gives_transformers_sdpa_results_bit_for_bit(qwen05_packed):
-    """Packed modes let torch read grouped key/value heads in masked (verify) passes instead of
-    transformers' repeat_kv copies: same logits, bit for bit."""
-    from selfspec.speed import GROUPED_SDPA
+def test_a_verify_pass_gives_each_row_the_bits_of_one_token_passes(qwen05_packed):
+    """The property greedy losslessness rests on, for a whole model in a kernel mode: scoring k+1
+    tokens in one pass gives each of them exactly the logits of k+1 one-token passes."""
+    from selfspec.speed import ROW_ATTENTION
 
     engine = qwen05_packed
-    model, runner = engine.loaded.model, engine.runner
-    assert model.config._attn_implementation == GROUPED_SDPA
+    assert engine.loaded.model.config._attn_implementation == ROW_ATTENTION
+    runner = engine.runner
     ids = torch.tensor(engine.encode(PROMPTS[1], chat=True))
+    start = ids.numel() - 6
     runner.reset(ids.numel() + 8)
-    runner.forward(ids[:-6], 0, last_logits_only=True)
-    try:
-        grouped = runner.forward(ids[-6:], ids.numel() - 6)[0]
-        model.set_attn_implementation("sdpa")
-        plain = runner.forward(ids[-6:], ids.numel() - 6)[0]
-    finally:
-        model.set_attn_implementation(GROUPED_SDPA)
-    assert torch.equal(grouped, plain)
+    runner.forward(ids[:start], 0, last_logits_only=True)
+    together = runner.forward(ids[start:], start)[0].reshape(6, -1)
+    for i in range(6):
+        alone = runner.forward(ids[start + i:start + i + 1], start + i)[0].reshape(-1)
+        assert torch.equal(together[i], alone), i

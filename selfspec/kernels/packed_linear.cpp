@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <vector>
 #include <utility>
 
 namespace {
@@ -650,6 +651,105 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
     }
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// Attention for the kernel speed modes, one query row at a time: each row's scores, softmax and
+// weighted sum of values are computed in a fixed order that depends on nothing but that row and
+// the keys it may see. torch's fused attention splits the work by the number of query rows, so a
+// verify pass over k+1 tokens gives each row slightly different bits than k+1 one-token passes;
+// harmless in float32 modes, but in gguf-q8 a last-bit difference can move an activation across a
+// rounding boundary of its 8-bit value and change the next token. With this, rows never depend on
+// each other anywhere in a pass.
+inline float dot_row(const float* a, const float* b, int64_t D) {
+  vec acc = vzero();
+  int64_t d = 0;
+  for (; d + kVec <= D; d += kVec) acc = vfma(vload(a + d), vload(b + d), acc);
+  alignas(64) float lanes[kVec];
+  vstore(lanes, acc);
+  float total = 0.0f;
+  for (int i = 0; i < kVec; ++i) total += lanes[i];
+  for (; d < D; ++d) total = std::fma(a[d], b[d], total);
+  return total;
+}
+
+inline void axpy_row(float alpha, const float* x, float* y, int64_t D) {
+  int64_t d = 0;
+  const vec va = vset1(alpha);
+  for (; d + kVec <= D; d += kVec) vstore(y + d, vfma(va, vload(x + d), vload(y + d)));
+  for (; d < D; ++d) y[d] = std::fma(alpha, x[d], y[d]);
+}
+
+}  // namespace
+
+// q [B, Hq, M, D]; k, v [B, Hkv, L, D] (Hq a multiple of Hkv); mask None or [B|1, Hq|1, M, L], bool
+// (true: may attend) or float (added to the scores). Without a mask: row i sees keys 0..i when
+// causal and M > 1 (transformers' is_causal), else every key. Returns [B, M, Hq, D].
+torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                             double scale, bool causal) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "float32 only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "bad attention shapes");
+  const int64_t B = q.size(0), Hq = q.size(1), M = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0, "bad attention shapes");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  torch::Tensor m;
+  const bool has_mask = mask.has_value() && mask->defined();
+  if (has_mask) {
+    TORCH_CHECK(mask->dim() == 4 && (mask->dtype() == torch::kBool || mask->dtype() == torch::kFloat32),
+                "mask must be 4-d bool or float32");
+    m = mask->expand({B, Hq, M, L});
+  }
+  const bool* mask_bool = has_mask && m.scalar_type() == torch::kBool ? m.data_ptr<bool>() : nullptr;
+  const float* mask_float = has_mask && m.scalar_type() == torch::kFloat32 ? m.data_ptr<float>() : nullptr;
+  const std::array<int64_t, 4> ms = has_mask ? std::array<int64_t, 4>{m.stride(0), m.stride(1), m.stride(2), m.stride(3)}
+                                             : std::array<int64_t, 4>{0, 0, 0, 0};
+  auto out = torch::empty({B, M, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = Hq / Hkv;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hq * M, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(L);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hq * M), h = t / M % Hq, i = t % M;
+      const float* qi = qp + ((b * Hq + h) * M + i) * D;
+      const float* kh = kp + (b * Hkv + h / group) * L * D;
+      const float* vh = vp + (b * Hkv + h / group) * L * D;
+      const int64_t visible = !has_mask && causal && M > 1 ? std::min(L, i + 1) : L;
+      const int64_t mask_row = has_mask ? b * ms[0] + h * ms[1] + i * ms[2] : 0;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) {
+        float s = dot_row(qi, kh + j * D, D) * fscale;
+        if (mask_bool) {
+          if (!mask_bool[mask_row + j * ms[3]]) s = -INFINITY;
+        } else if (mask_float) {
+          s += mask_float[mask_row + j * ms[3]];
+        }
+        scores[j] = s;
+        best = std::max(best, s);
+      }
+      float* oi = op + ((b * M + i) * Hq + h) * D;
+      std::fill(oi, oi + D, 0.0f);
+      if (best == -INFINITY) continue;  // nothing visible: zeros
+      float total = 0.0f;
+      for (int64_t j = 0; j < visible; ++j) {
+        if (scores[j] == -INFINITY) continue;
+        const float p = std::exp(scores[j] - best);
+        total += p;
+        axpy_row(p, vh + j * D, oi, D);
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
+    }
+  });
+  return out;
+}
+
+namespace {
 }  // namespace
 
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
@@ -718,5 +818,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_panel_bytes", &quant_panel_bytes, "bytes per quantized panel");
   m.def("panels_per_group", &panels_per_group, "panel count granularity");
   m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
+  m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
   m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has its AVX-512 VNNI path in this build");
 }
