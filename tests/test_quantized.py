@@ -227,12 +227,13 @@ def test_q8_mode_is_close_to_the_float32_model_and_speculation_is_lossless(qwen0
             assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf-q8 mode"
 
 
-def test_gguf_mode_has_its_own_default_plan():
-    """Its costs differ from packed's, so it was searched separately; other modes keep theirs."""
+def test_gguf_modes_have_their_own_default_plans():
+    """Their costs differ from packed's, so each was searched separately; other modes keep theirs."""
     from selfspec.engine import default_plan_path
     from selfspec.plan import load_plan
 
-    path = default_plan_path("qwen2.5-coder-1.5b", "gguf")
-    assert path.parent.name == "gguf" and path.is_file()
-    assert load_plan(path).provenance["speed_mode"] == "gguf"
+    for mode in ("gguf", "gguf-q8"):
+        path = default_plan_path("qwen2.5-coder-1.5b", mode)
+        assert path.parent.name == mode and path.is_file()
+        assert load_plan(path).provenance["speed_mode"] == mode
     assert default_plan_path("qwen2.5-coder-1.5b", "packed") == default_plan_path("qwen2.5-coder-1.5b")
