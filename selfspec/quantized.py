@@ -9,6 +9,10 @@ rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit f
 a fifth of the bytes (1.18 GB per pass for the 1.5B instead of 6.2). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
+Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for AVX-512 VNNI, and
+multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, not the float32
+model's (see ``selfspec.speed``).
+
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
 offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay float32 (they are not streamed per step).
 """
