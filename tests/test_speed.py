@@ -122,6 +122,14 @@ def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
         for i in range(5):
             row = kernel.attention_rows(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.125, causal)
             assert torch.equal(row, got[:, i:i + 1])
+    # keys and values as the runner's cache hands them out (views of longer buffers), queries transposed:
+    # read in place, same bits
+    buffers = [torch.cat([t, torch.randn(2, 2, 11, 64, generator=gen)], dim=2) for t in (k, v)]
+    k_view, v_view = (b[:, :, :37] for b in buffers)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not k_view.is_contiguous() and not q_view.is_contiguous()
+    assert torch.equal(kernel.attention_rows(q_view, k_view, v_view, allowed, 0.125, causal),
+                       kernel.attention_rows(q, k, v, allowed, 0.125, causal))
     # no mask: causal from key 0 over several rows (prefill), every key for a single row
     got = kernel.attention_rows(q, k[:, :, :5], v[:, :, :5], None, 0.125, causal)
     want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=causal, scale=0.125,

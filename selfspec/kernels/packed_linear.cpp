@@ -695,9 +695,12 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "bad attention shapes");
   const int64_t B = q.size(0), Hq = q.size(1), M = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0, "bad attention shapes");
-  q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
+  // Read in place through strides: the runner's cache hands out views of longer buffers, and a
+  // copy of every cached key and value per layer and pass is what this is here to avoid.
+  const auto rows_in_place = [](const torch::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  q = rows_in_place(q);
+  k = rows_in_place(k);
+  v = rows_in_place(v);
   torch::Tensor m;
   const bool has_mask = mask.has_value() && mask->defined();
   if (has_mask) {
@@ -720,14 +723,14 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     std::vector<float> scores(L);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (Hq * M), h = t / M % Hq, i = t % M;
-      const float* qi = qp + ((b * Hq + h) * M + i) * D;
-      const float* kh = kp + (b * Hkv + h / group) * L * D;
-      const float* vh = vp + (b * Hkv + h / group) * L * D;
+      const float* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      const float* kh = kp + b * k.stride(0) + h / group * k.stride(1);
+      const float* vh = vp + b * v.stride(0) + h / group * v.stride(1);
       const int64_t visible = !has_mask && causal && M > 1 ? std::min(L, i + 1) : L;
       const int64_t mask_row = has_mask ? b * ms[0] + h * ms[1] + i * ms[2] : 0;
       float best = -INFINITY;
       for (int64_t j = 0; j < visible; ++j) {
-        float s = dot_row(qi, kh + j * D, D) * fscale;
+        float s = dot_row(qi, kh + j * k.stride(2), D) * fscale;
         if (mask_bool) {
           if (!mask_bool[mask_row + j * ms[3]]) s = -INFINITY;
         } else if (mask_float) {
@@ -744,7 +747,7 @@ torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
         if (scores[j] == -INFINITY) continue;
         const float p = std::exp(scores[j] - best);
         total += p;
-        axpy_row(p, vh + j * D, oi, D);
+        axpy_row(p, vh + j * v.stride(2), oi, D);
       }
       const float inv = 1.0f / total;
       for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
