@@ -384,7 +384,7 @@ def run_bench(
     from selfspec.engine import Engine
     from selfspec.models import LoadedModel, load_model, unmodified
     from selfspec.prompts import Prompt
-    from selfspec.speed import NUMERICS
+    from selfspec.speed import numerics_note
 
     if max_new_tokens < 1:
         raise SelfSpecError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -409,8 +409,9 @@ def run_bench(
     chosen, skipped = resolve_methods(methods, plan=plan, draft=draft_name, model_name=model_name,
                                       custom=custom, explicit=explicit)
     notes.extend(skipped)
-    if engine.loaded.speed in NUMERICS:
-        notes.append(f"speed mode {engine.loaded.speed} changes the numerics ({NUMERICS[engine.loaded.speed]}), so "
+    own_numerics = numerics_note(engine.loaded.speed, engine.loaded.device.type)
+    if own_numerics:
+        notes.append(f"speed mode {engine.loaded.speed} changes the numerics ({own_numerics}), so "
                      f"selfspec's methods need not match {BASELINE} token for token; speculation is checked against "
                      "selfspec's own plain decoding in the same mode.")
     if draft_name and not isinstance(draft, LoadedModel) and draft_name != model_name and any(
@@ -493,6 +494,7 @@ def run_bench(
         "plan_summary": plan.describe() if plan is not None else None,
         "draft_model": draft_name if any(registry[m].needs == "draft" for m in chosen) else None,
         "speed_mode": engine.loaded.speed,
+        "numerics": own_numerics,
         "prompts": len(prompts),
         "categories": sorted({p.category for p in prompts}),
         "max_new_tokens": max_new_tokens,
@@ -664,9 +666,9 @@ def format_markdown(result: dict) -> str:
         "peak RSS MB | identical to hf_generate |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    # A precision mode (gguf-q8) changes selfspec's numerics: its methods differing from the float32
+    # A precision mode (gguf-q8), or bfloat16 on CUDA, changes selfspec's numerics: its methods differing from the float32
     # baseline is expected, and not a speculation error (that is the same-mode check below).
-    own_numerics = c.get("speed_mode") in NUMERICS
+    own_numerics = bool(c.get("numerics") or c.get("speed_mode") in NUMERICS)  # older files: no "numerics"
 
     def expected_difference(name: str, r: dict) -> bool:
         return own_numerics and r["identical_to_baseline"] is False and (

@@ -15,7 +15,7 @@ import sys
 
 from selfspec.errors import SelfSpecError
 from selfspec.models import DEFAULT_MODEL
-from selfspec.speed import NUMERICS, SPEED_MODES
+from selfspec.speed import SPEED_MODES, numerics_note
 
 # Each of these modules provides add_arguments(parser) and run(args) -> int.
 _SUBCOMMAND_MODULES = {
@@ -36,7 +36,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_default: str | No
                              "results from the GGUF file's quantized weights, a fifth of the memory traffic), "
                              "gguf-q8 (those weights times activations rounded to 8 bits, as llama.cpp does: "
                              "faster, but not the float32 model's numerics), torch (the model as transformers "
-                             "builds it) or auto (packed where it builds; default)")
+                             "builds it), cuda-graphs (CUDA: fixed-shape passes replayed as CUDA graphs), cuda-compiled "
+                             "(the same through torch.compile: faster passes, a minute of compiling first) or auto "
+                             "(cuda-graphs on CUDA, packed on a CPU where it builds; default)")
 
 
 def torch_dtype(name: str | None):
@@ -166,7 +168,7 @@ def cmd_generate(args) -> int:
         f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})"
         f"{'; fell back to plain decoding at token %d' % s.fell_back_at_token if s.fell_back else ''}; "
         f"stop: {s.stop_reason}"
-        f"{f'; speed mode {result.speed_mode}: {result.numerics}' if result.speed_mode in NUMERICS else ''}",
+        f"{f'; speed mode {result.speed_mode}: {result.numerics}' if numerics_note(result.speed_mode, result.device_type) else ''}",
         file=sys.stderr,
     )
     return 0

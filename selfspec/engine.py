@@ -17,9 +17,9 @@ from selfspec.drafters import Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.models import DEFAULT_MODEL, LoadedModel, load_model
 from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
-from selfspec.runner import ModelRunner
+from selfspec.runner import make_runner
 from selfspec.sampling import Sampling
-from selfspec.speed import NUMERICS, QUANTIZED_MODES
+from selfspec.speed import QUANTIZED_MODES, numerics_note
 
 REPO_SEARCH_DIR = Path(__file__).resolve().parent.parent / "search"
 
@@ -38,11 +38,12 @@ class GenerationResult:
     prompt_tokens: int
     stats: DecodeStats
     speed_mode: str = "torch"
+    device_type: str = "cpu"
 
     @property
     def numerics(self) -> str:
-        """What arithmetic produced the tokens: the float32 model's, or a precision mode's own."""
-        return NUMERICS.get(self.speed_mode, "the model's own")
+        """What arithmetic produced the tokens: the model's own as transformers computes it, or how it differs."""
+        return numerics_note(self.speed_mode, self.device_type) or "the model's own"
 
     def to_dict(self) -> dict:
         return {"text": self.text, "prompt_tokens": self.prompt_tokens, "speed_mode": self.speed_mode,
@@ -71,7 +72,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(loaded)
+        self.runner = make_runner(loaded)
         self.identity = self.runner.adapter.identity(loaded.name)
 
     @classmethod
@@ -115,7 +116,7 @@ class Engine:
             raise SelfSpecError(
                 f"draft model '{draft.name}' does not share the target's tokenizer, so its tokens mean "
                 "something else. Pick a draft model of the same family.")
-        return ModelDrafter(ModelRunner(draft))
+        return ModelDrafter(make_runner(draft))
 
     # -- generation ---------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -172,4 +173,4 @@ class Engine:
         stream = TextStream(self.tokenizer, on_text) if on_text else None
         ids, stats = generate_ids(self.runner, prompt_ids, config, drafter, self.tokenizer, on_tokens=stream)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return GenerationResult(text, ids, len(prompt_ids), stats, self.loaded.speed)
+        return GenerationResult(text, ids, len(prompt_ids), stats, self.loaded.speed, self.loaded.device.type)

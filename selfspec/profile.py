@@ -20,6 +20,8 @@ def add_arguments(parser) -> None:
 
     add_model_arguments(parser)
     parser.add_argument("--plan", default=None, help="plan whose draft step to time (default: the committed plan)")
+    parser.add_argument("--skip-attention", default=None, help="attention sublayers the draft skips (overrides the plan)")
+    parser.add_argument("--skip-mlp", default=None, help="MLP sublayers the draft skips (overrides the plan)")
     parser.add_argument("--prefix", type=int, default=200, help="cached prefix length (default 200)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement; the median is reported")
     parser.add_argument("--acceptance", type=float, default=None,
@@ -84,8 +86,11 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
         "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
     }
     if plan is not None:
-        skip_a, skip_m = frozenset(plan.skip_attention), frozenset(plan.skip_mlp)
-        draft_ms = _median_ms(lambda: runner.forward(new_ids[:1], prefix, skip_a, skip_m), repeats)
+        from selfspec.drafters import SelfSkipDrafter
+
+        drafter = SelfSkipDrafter(runner, plan)  # time the step as the drafter runs it: capture, draft head
+        draft_ms = _median_ms(lambda: runner.forward(new_ids[:1], prefix, drafter.skip_attention, drafter.skip_mlp,
+                                                     capture_at=drafter.resume_at, vocab=drafter.draft_vocab), repeats)
         alpha = acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
         result.update(draft_step_ms=draft_ms, draft_cost_ratio=draft_ms / forward_ms["1"],
                       acceptance_assumed=alpha, **best_draft_length(alpha, draft_ms, forward_ms))
@@ -122,7 +127,7 @@ def run(args) -> int:
     from selfspec.engine import Engine
 
     engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
-    args.no_plan, args.skip_attention, args.skip_mlp = False, None, None
+    args.no_plan = False
     plan = resolve_plan(engine, args)
     result = profile_engine(engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance)
     if args.json:

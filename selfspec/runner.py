@@ -130,8 +130,12 @@ class ModelRunner:
             hidden = a.embed(ids)
         positions = torch.arange(start, start + n, device=self.device)[None]
         rope = a.position_embeddings(hidden, positions)
-        masks = self._masks(start, n)
         self.cache.write_pos = start
+        return self._sublayers(hidden, rope, self._masks(start, n), first, stop, skip_attention, skip_mlp, capture_at)
+
+    def _sublayers(self, hidden, rope, masks, first, stop, skip_attention, skip_mlp, capture_at):
+        """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering ``capture_at``)."""
+        a = self.adapter
         captured = None
         for sub in range(first, stop):
             if sub == capture_at:
@@ -145,3 +149,13 @@ class ModelRunner:
         if capture_at is not None and capture_at >= stop:
             captured = hidden
         return hidden, captured
+
+
+def make_runner(loaded) -> ModelRunner:
+    """The runner for a loaded model: on CUDA, fixed-shape passes (replayed as CUDA graphs in the graph modes)."""
+    if loaded.device.type == "cuda":
+        from selfspec.speed import GRAPH_MODES
+        from selfspec.static import StaticRunner
+
+        return StaticRunner(loaded, graphs=loaded.speed in GRAPH_MODES, compile=loaded.speed == "cuda-compiled")
+    return ModelRunner(loaded)

@@ -52,6 +52,17 @@ def test_unknown_or_impossible_speed_mode_is_a_clear_error():
     with pytest.raises(SelfSpecError, match="float32 only"):
         resolve_speed_mode("packed", "cpu", torch.bfloat16)
     assert resolve_speed_mode("auto", "cpu", torch.bfloat16) == "torch"
+    for mode in ("cuda-graphs", "cuda-compiled"):
+        with pytest.raises(SelfSpecError, match=f"--speed {mode} needs a CUDA device"):
+            resolve_speed_mode(mode, "cpu", torch.float32)
+
+
+def test_stats_name_the_numerics_of_cuda_and_precision_modes():
+    from selfspec.speed import numerics_note
+
+    assert numerics_note("packed", "cpu") is None and numerics_note("torch", "cpu") is None
+    assert "static cache" in numerics_note("torch", "cuda") and "static cache" in numerics_note("cuda-graphs", "cuda")
+    assert "8 bits" in numerics_note("gguf-q8", "cpu")
 
 
 @needs_kernel
