@@ -1271,6 +1271,9 @@ def run(args) -> int:
         how = shlex.join(["selfspec", *sys.argv[1:]])
     else:
         how = shlex.join(["selfspec", "search", *_args_as_argv(args)])
+    if args.speed == "cuda-compiled":  # every trial's skip set is a new kind of pass to compile
+        raise SelfSpecError("search with --speed cuda-graphs: under cuda-compiled every trial's draft would be "
+                            "compiled anew (about a minute each). The plan it finds serves both modes.")
     engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
     result = search_plan(
         engine, prompts, trials=args.trials, tokens=args.tokens, out=out, storage=storage,
