@@ -38,6 +38,15 @@ class KVCache:
         return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
 
 
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[1, 1, queries, keys] bool: key position k is seen from query position q if k <= q (and
+    q - k < window). ``q_pos`` [queries, 1], ``k_pos`` [1, keys]."""
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed[None, None]
+
+
 @dataclass
 class Resume:
     """Hidden states entering sublayer ``sublayer`` for the first rows of the next pass's tokens."""
@@ -60,6 +69,7 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
         self.head_rows = self.model.get_output_embeddings().out_features  # logits per token
+        self.windows = {self.adapter.window(i) for i in range(self.num_layers)}  # None: full attention
 
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""
@@ -72,17 +82,14 @@ class ModelRunner:
         masks = {}
         q_pos = torch.arange(start, start + n, device=self.device)[:, None]
         k_pos = torch.arange(start + n, device=self.device)[None, :]
-        for window in {self.adapter.window(i) for i in range(self.num_layers)}:
+        for window in self.windows:
             needs_window = window is not None and start + n > window
             if n == 1 and not needs_window:
                 masks[window] = None  # one query attends to everything cached: same call as HF decoding
             elif start == 0 and not needs_window:
                 masks[window] = None  # SDPA applies is_causal itself, as in HF prefill
             else:
-                allowed = k_pos <= q_pos
-                if window is not None:
-                    allowed &= k_pos > q_pos - window
-                masks[window] = allowed[None, None]
+                masks[window] = attention_mask(q_pos, k_pos, window)
         return masks
 
     @torch.inference_mode()

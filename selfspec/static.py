@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.runner import KVCache, ModelRunner, Resume
+from selfspec.runner import KVCache, ModelRunner, Resume, attention_mask
 
 PASS_ROWS = 16  # rows of every pass after prefill: max_draft_tokens + 1 up to 16 fit in one
 _CACHE_ROUNDING = 256  # cache lengths are rounded up so a longer prompt rarely forces new graphs
@@ -55,9 +55,10 @@ class StaticRunner(ModelRunner):
         super().__init__(loaded)
         self.use_graphs = graphs and self.device.type == "cuda"
         # torch.compile (speed mode cuda-compiled) fuses the small ops between the matmuls (norms,
-        # rope, activations): 1338 kernels per pass of the 1.5B become 564. Fusion may keep a value in float32 that the eager pass rounds to
-        # bfloat16, so a compiled draft's hidden states need not be the bits a compiled full
-        # pass has inside: with compile, verify passes never resume from the draft's.
+        # rope, activations): 1338 kernels per pass of the 1.5B become 564. Fusion may keep a value
+        # in float32 that the eager pass rounds to bfloat16, so a compiled draft's hidden states
+        # need not be the bits a compiled full pass has inside: with compile, verify passes never
+        # resume from the draft's.
         self.compiled = bool(compile) and self.use_graphs
         self._pass_fn = torch.compile(self._pass, dynamic=False) if self.compiled else self._pass
         hidden_size = self.model.config.hidden_size
@@ -67,7 +68,6 @@ class StaticRunner(ModelRunner):
         self.hidden_in = torch.zeros(1, PASS_ROWS, hidden_size, dtype=self.dtype, device=self.device)
         self.key_positions: torch.Tensor | None = None  # [max_len]: 0, 1, ...
         self.graphs: dict[tuple, tuple] = {}  # pass kind -> (CUDA graph, its output tensors)
-        self.windows = sorted({self.adapter.window(i) for i in range(self.num_layers)}, key=str)
 
     def reset(self, max_len: int) -> None:
         needed = max_len + PASS_ROWS  # the last pass's unused rows write past the last token
@@ -80,15 +80,9 @@ class StaticRunner(ModelRunner):
             self.key_positions = torch.arange(size, device=self.device)
 
     def _static_masks(self, positions: torch.Tensor) -> dict:
-        """Boolean masks [1, 1, rows, max_len] per attention window: key k is seen by a query at q if k <= q."""
-        keys, queries = self.key_positions[None, :], positions[:, None]
-        masks = {}
-        for window in self.windows:
-            allowed = keys <= queries
-            if window is not None:
-                allowed = allowed & (keys > queries - window)
-            masks[window] = allowed[None, None]
-        return masks
+        """Boolean masks [1, 1, rows, max_len] per attention window, over the whole cache."""
+        return {window: attention_mask(positions[:, None], self.key_positions[None, :], window)
+                for window in self.windows}
 
     def _pass(self, ids, positions, hidden, first, skip_attention, skip_mlp, capture_at, vocab, last_only=False):
         """One pass from sublayer ``first`` to the logits: every shape is that of the inputs."""
