@@ -24,15 +24,22 @@ def execute(path: Path, timeout: int = 1800):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", coalesce_streams=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        coalesce_streams=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     return nb
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, default=sorted(HERE.glob("*.ipynb")))
-    parser.add_argument("--check", action="store_true", help="execute only; do not save the outputs")
+    parser.add_argument(
+        "--check", action="store_true", help="execute only; do not save the outputs"
+    )
     args = parser.parse_args()
     import nbformat
 

@@ -15,4 +15,13 @@ from selfspec.errors import SelfSpecError  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["SelfSpecError", "__version__"]
+__all__ = ["Engine", "SelfSpecError", "__version__"]
+
+
+def __getattr__(name: str):
+    # `from selfspec import Engine` without importing torch for every `import selfspec`.
+    if name == "Engine":
+        from selfspec.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'selfspec' has no attribute {name!r}")

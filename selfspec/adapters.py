@@ -14,15 +14,19 @@ import hashlib
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.kernels import linear_prefix
 from selfspec.plan import ModelIdentity
-from selfspec.speed import linear_prefix
 
 
 class DecoderAdapter:
-    """Pre-norm decoder (llama, qwen2, mistral): h += attn(norm(h)); h += mlp(norm(h))."""
+    """Pre-norm decoder (llama, qwen2, mistral): h += attn(norm(h)); h += mlp(norm(h)).
 
-    def __init__(self, model):
+    With ``fused`` (the kernel's DecoderLayer per layer, ``selfspec.fused``) each sublayer is one
+    native call over the same weights instead of the model's modules."""
+
+    def __init__(self, model, fused: list | None = None):
         self.model = model
+        self.fused = fused
         self.config = model.config
         self.decoder = model.model
         self.layers = list(self.decoder.layers)
@@ -30,7 +34,9 @@ class DecoderAdapter:
         attn0 = self.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.num_kv_heads = self.config.num_key_value_heads
-        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.layer_types = list(
+            getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
+        )
         self.sliding_window = getattr(self.config, "sliding_window", None)
 
     # -- pieces of the forward pass -------------------------------------------------------
@@ -43,6 +49,13 @@ class DecoderAdapter:
         return {t: rope for t in set(self.layer_types)}
 
     def attention(self, i: int, hidden, rope: dict, mask, cache) -> torch.Tensor:
+        if self.fused is not None:
+            cos, sin = rope[self.layer_types[i]]
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            out = self.fused[i].attention(
+                rows, cos, sin, cache.keys[i, 0], cache.values[i, 0], cache.write_pos, mask
+            )
+            return out.view(hidden.shape)
         layer = self.layers[i]
         out, _ = layer.self_attn(
             hidden_states=layer.input_layernorm(hidden),
@@ -53,6 +66,8 @@ class DecoderAdapter:
         return hidden + out
 
     def mlp(self, i: int, hidden) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused[i].mlp(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape)
         layer = self.layers[i]
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
@@ -70,7 +85,9 @@ class DecoderAdapter:
     # -- identity --------------------------------------------------------------------------
     def identity(self, name: str) -> ModelIdentity:
         return ModelIdentity(
-            name=name, architecture=self.config.model_type, num_layers=self.num_layers,
+            name=name,
+            architecture=self.config.model_type,
+            num_layers=self.num_layers,
             fingerprint=weight_fingerprint(self.model),
         )
 
@@ -83,7 +100,13 @@ class LlamaAdapter(DecoderAdapter):
         if short not in ("attn_q", "attn_k"):
             return None
         heads = self.config.num_attention_heads if short == "attn_q" else self.num_kv_heads
-        return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows).numpy()
+        return (
+            torch.arange(rows)
+            .reshape(heads, rows // heads // 2, 2)
+            .transpose(1, 2)
+            .reshape(rows)
+            .numpy()
+        )
 
 
 class Gemma3Adapter(DecoderAdapter):
@@ -104,7 +127,9 @@ class Gemma3Adapter(DecoderAdapter):
 
     def mlp(self, i, hidden):
         layer = self.layers[i]
-        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        return hidden + layer.post_feedforward_layernorm(
+            layer.mlp(layer.pre_feedforward_layernorm(hidden))
+        )
 
     def logits(self, hidden, vocab=None):
         logits = linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
@@ -122,21 +147,28 @@ _ADAPTERS = {
 }
 
 
-def adapter_for(model) -> DecoderAdapter:
+def adapter_for(model, fused: list | None = None) -> DecoderAdapter:
+    """The adapter for ``model``'s family; ``fused``: the kernel's layers, for the families that fuse."""
     model_type = model.config.model_type
     cls = _ADAPTERS.get(model_type)
     if cls is None:
         raise SelfSpecError(
             f"selfspec has no adapter for model type '{model_type}'. Supported: {', '.join(sorted(_ADAPTERS))}."
         )
-    return cls(model)
+    return cls(model, fused)
 
 
 def weight_fingerprint(model) -> str:
     """A short hash of config shape and a few weights, stable across float32/bfloat16 loads."""
     config = model.config
     digest = hashlib.sha256()
-    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "vocab_size",
+    ):
         digest.update(f"{key}={getattr(config, key, None)};".encode())
     embed = model.get_input_embeddings().weight
     for row in (0, embed.shape[0] // 2, embed.shape[0] - 1):

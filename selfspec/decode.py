@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from selfspec.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
 from selfspec.drafters import Draft, Drafter, DraftRequest
 from selfspec.errors import SelfSpecError
-from selfspec.runner import ModelRunner
-from selfspec.sampling import Sampling, accept_greedy, accept_sampled
+from selfspec.sampling import Sampling, accept_greedy, accept_sampled, sample
+
+if TYPE_CHECKING:
+    from selfspec.runner import ModelRunner
 
 
 @dataclass
@@ -37,7 +41,7 @@ class DecodeConfig:
     max_draft_tokens: int = 6
     confidence_threshold: float = 0.5
     adaptive_threshold: bool = True
-    target_acceptance: float = 0.8  # the adaptive threshold aims at this draft acceptance rate
+    target_acceptance: float = TARGET_ACCEPTANCE  # the adaptive threshold aims at this acceptance
     fallback: bool = True  # switch to plain decoding when speculation is measurably slower
 
 
@@ -63,7 +67,7 @@ class DecodeStats:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target pass, the target's own token included (1.00 for plain decoding)."""
-        from_passes = self.new_tokens - 1 if self.new_tokens else 0  # the first token comes from prefill
+        from_passes = self.new_tokens - 1 if self.new_tokens else 0  # the first comes from prefill
         return from_passes / self.target_passes if self.target_passes else 0.0
 
     @property
@@ -72,7 +76,16 @@ class DecodeStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        pairs = zip(self.accepted_by_position, self.drafted_by_position)
+        return [a / d if d else 0.0 for a, d in pairs]
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -101,10 +114,49 @@ class _Stopper:
             return "max_new_tokens"
         if self.longest_stop:
             # Only the tail can hold a newly completed stop string; tokens are at least one character.
-            tail = self.tokenizer.decode(generated[-(self.longest_stop + 8):], skip_special_tokens=False)
+            tail_ids = generated[-(self.longest_stop + 8) :]
+            tail = self.tokenizer.decode(tail_ids, skip_special_tokens=False)
             if any(s in tail for s in self.config.stop_strings):
                 return "stop_string"
         return ""
+
+
+class SpeedWatch:
+    """Watches recent speculative rounds and says when speculation is measurably slower than plain
+    decoding: tokens per round x verify time < draft + verify time over the last ``window`` rounds.
+
+    A verify pass over k+1 tokens costs at least a plain step, so using it as the plain step's cost
+    errs towards staying speculative; the loop only falls back when clearly slower.
+    """
+
+    def __init__(self, window: int = 8):
+        self.rounds: deque[tuple[int, float, float]] = deque(maxlen=window)
+
+    def record(self, tokens: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.rounds.append((tokens, draft_seconds, verify_seconds))
+
+    def slower_than_plain(self) -> bool:
+        if len(self.rounds) < (self.rounds.maxlen or 0):
+            return False
+        tokens = sum(r[0] for r in self.rounds)
+        draft_s = sum(r[1] for r in self.rounds)
+        verify_s = sum(r[2] for r in self.rounds)
+        return tokens * verify_s / len(self.rounds) < draft_s + verify_s
+
+
+def check_context(
+    prompt_lengths: Mapping[str, int], new_tokens: int, window: int | None, flag: str
+) -> None:
+    """Refuse prompts that, with ``new_tokens`` more, would not fit a context of ``window`` tokens.
+    ``prompt_lengths``: name -> token count; ``flag``: the option that sets ``new_tokens``."""
+    if not window:
+        return
+    over = [f"{name} ({n} tokens)" for name, n in prompt_lengths.items() if n + new_tokens > window]
+    if over:
+        raise SelfSpecError(
+            f"{', '.join(over)} plus {new_tokens} new tokens exceed{'s' if len(over) == 1 else ''} "
+            f"the model's context window of {window} tokens. Shorten the prompt or lower {flag}."
+        )
 
 
 def check_request(prompt_ids: list[int], config: DecodeConfig, runner: ModelRunner) -> None:
@@ -112,12 +164,67 @@ def check_request(prompt_ids: list[int], config: DecodeConfig, runner: ModelRunn
         raise SelfSpecError("the prompt is empty: give at least one token of text to continue.")
     if config.max_new_tokens < 1:
         raise SelfSpecError(f"max_new_tokens must be at least 1, got {config.max_new_tokens}")
-    window = runner.context_window
-    if window and len(prompt_ids) + config.max_new_tokens > window:
-        raise SelfSpecError(
-            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds the "
-            f"model's context window of {window} tokens. Shorten the prompt or lower --max-new-tokens."
-        )
+    check_context(
+        {"the prompt": len(prompt_ids)},
+        config.max_new_tokens,
+        runner.context_window,
+        "--max-new-tokens",
+    )
+
+
+def prefill(runner: ModelRunner, prompt_ids: list[int], sampling: Sampling, generator) -> int:
+    """Run the prompt through the model; returns the first new token (not yet in the cache)."""
+    logits, _ = runner.forward(torch.tensor(prompt_ids), 0, last_logits_only=True)
+    return sampling.pick(logits[-1], generator)
+
+
+def verify(runner: ModelRunner, committed: list[int], draft: Draft) -> torch.Tensor:
+    """One full pass over the pending token and the draft: logits [1 + k, vocab]."""
+    ids = torch.tensor([committed[-1]] + draft.tokens)
+    logits, _ = runner.forward(ids, len(committed) - 1, resume=draft.resume)
+    return logits
+
+
+def accept(
+    draft: Draft, target_logits: torch.Tensor, sampling: Sampling, generator
+) -> tuple[int, int]:
+    """(drafts kept m, the target's token after them): greedy prefix match, or the lossless
+    sampling rule against the drafter's distributions."""
+    if sampling.greedy:
+        return accept_greedy(draft.tokens, target_logits)
+    target_probs = sampling.probs(target_logits)
+    if not draft.tokens:
+        return 0, sample(target_probs[0], generator)
+    draft_probs = draft.probs
+    if draft_probs.shape[-1] != target_probs.shape[-1]:
+        draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])
+    return accept_sampled(draft.tokens, draft_probs, target_probs, generator)
+
+
+@dataclass
+class _Generation:
+    """One generation's state as the loop advances it."""
+
+    committed: list[int]  # prompt and every token so far; the last is pending (not yet cached)
+    generated: list[int]
+    stats: DecodeStats
+    stopper: _Stopper
+    on_tokens: Callable[[list[int]], None] | None
+    stop: str = ""
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append tokens one at a time, so EOS, stop strings and the length limit cut exactly
+        where plain decoding would."""
+        new = []
+        for token in tokens:
+            self.committed.append(token)
+            self.generated.append(token)
+            new.append(token)
+            self.stop = self.stopper.reason(self.generated)
+            if self.stop:
+                break
+        if self.on_tokens:
+            self.on_tokens(new)
 
 
 def generate_ids(
@@ -133,109 +240,64 @@ def generate_ids(
     ``on_tokens`` is called with each batch of newly committed tokens, as soon as they are final.
     """
     check_request(prompt_ids, config, runner)
-    sampling = config.sampling
-    generator = None
-    if not sampling.greedy:
-        generator = torch.Generator(device=runner.device)
-        generator.manual_seed(config.seed if config.seed is not None else torch.seed())
-    stopper = _Stopper(config, tokenizer)
-    stats = DecodeStats(drafted_by_position=[0] * config.max_draft_tokens,
-                        accepted_by_position=[0] * config.max_draft_tokens)
+    generator = _generator(config, runner.device)
+    width = config.max_draft_tokens
+    stats = DecodeStats(drafted_by_position=[0] * width, accepted_by_position=[0] * width)
+    gen = _Generation(list(prompt_ids), [], stats, _Stopper(config, tokenizer), on_tokens)
     max_len = len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2
     runner.reset(max_len)
     if drafter is not None:
-        drafter.begin(prompt_ids, max_len)
+        threshold = AdaptiveThreshold(
+            config.confidence_threshold, config.adaptive_threshold, config.target_acceptance
+        )
+        drafter.begin(prompt_ids, max_len, threshold)
 
     t0 = time.perf_counter()
-    logits, _ = runner.forward(torch.tensor(prompt_ids), 0, last_logits_only=True)
-    committed = list(prompt_ids) + [sampling.pick(logits[-1], generator)]
-    generated = committed[len(prompt_ids):]
+    first = prefill(runner, prompt_ids, config.sampling, generator)
     stats.prefill_seconds = time.perf_counter() - t0
-    if on_tokens:
-        on_tokens(generated[:])
-    stop = stopper.reason(generated)
-
-    threshold = config.confidence_threshold
-    acceptance_ema = config.target_acceptance
-    window = deque(maxlen=8)  # (tokens emitted, draft seconds, verify seconds) of recent speculative rounds
+    gen.commit([first])
+    watch = SpeedWatch() if drafter is not None and config.fallback else None
     speculating = drafter is not None
-
-    while not stop:
-        room = config.max_new_tokens - len(generated)
-        draft = Draft()
-        t_draft = time.perf_counter()
-        if speculating and room > 1:
-            draft = drafter.propose(DraftRequest(
-                committed, min(config.max_draft_tokens, room - 1), threshold, sampling, generator))
-        t_verify = time.perf_counter()
-        start = len(committed) - 1
-        ids = torch.tensor([committed[-1]] + draft.tokens)
-        target_logits, _ = runner.forward(ids, start, resume=draft.resume)
-        stats.target_passes += 1
-        if sampling.greedy:
-            m, next_token = accept_greedy(draft.tokens, target_logits)
-        else:
-            draft_probs = draft.probs
-            if draft_probs is not None and draft_probs.shape[-1] != target_logits.shape[-1]:
-                draft_probs = _match_vocab(draft_probs, target_logits.shape[-1])
-            target_probs = sampling.probs(target_logits)
-            m, next_token = (accept_sampled(draft.tokens, draft_probs, target_probs, generator)
-                             if draft.tokens else (0, _sample_row(target_probs[0], generator)))
-        t_end = time.perf_counter()
-
-        k = len(draft.tokens)
-        stats.drafted += k
-        stats.accepted += m
-        for i in range(k):
-            stats.drafted_by_position[i] += 1
-            stats.accepted_by_position[i] += i < m
-        if drafter is not None and speculating:
-            drafter.observe(k, m)
-
-        # Commit one token at a time so EOS / stop strings / the length limit cut exactly where plain decoding would.
-        new = []
-        for token in draft.tokens[:m] + [next_token]:
-            committed.append(token)
-            generated.append(token)
-            new.append(token)
-            stop = stopper.reason(generated)
-            if stop:
-                break
-        if on_tokens:
-            on_tokens(new)
-
-        if speculating and k:
-            if config.adaptive_threshold:
-                acceptance_ema = 0.7 * acceptance_ema + 0.3 * (m / k)
-                step = 0.05 if acceptance_ema < config.target_acceptance else -0.05
-                threshold = min(0.95, max(0.0, threshold + step))
-            window.append((m + 1, t_verify - t_draft, t_end - t_verify))
-            if config.fallback and len(window) == window.maxlen and _slower_than_plain(window):
-                speculating = False
-                stats.fell_back = True
-                stats.fell_back_at_token = len(generated)
+    while not gen.stop:
+        _round(runner, gen, config, drafter if speculating else None, generator, watch)
+        if watch is not None and speculating and watch.slower_than_plain():
+            speculating = False
+            stats.fell_back, stats.fell_back_at_token = True, len(gen.generated)
 
     stats.seconds = time.perf_counter() - t0
-    stats.new_tokens = len(generated)
-    stats.stop_reason = stop
-    stats.final_threshold = threshold if drafter is not None else None
-    return generated, stats
+    stats.new_tokens = len(gen.generated)
+    stats.stop_reason = gen.stop
+    stats.final_threshold = drafter.threshold.value if drafter is not None else None
+    return gen.generated, stats
 
 
-def _slower_than_plain(window) -> bool:
-    """Speculation loses when tokens per round x verify time < draft + verify time.
+def _round(runner, gen: _Generation, config: DecodeConfig, drafter, generator, watch) -> None:
+    """One round: draft (when a drafter runs and there is room), verify, accept, commit."""
+    room = config.max_new_tokens - len(gen.generated)
+    t_draft = time.perf_counter()
+    draft = Draft()
+    if drafter is not None and room > 1:
+        limit = min(config.max_draft_tokens, room - 1)
+        draft = drafter.propose(DraftRequest(gen.committed, limit, config.sampling, generator))
+    t_verify = time.perf_counter()
+    logits = verify(runner, gen.committed, draft)
+    m, next_token = accept(draft, logits, config.sampling, generator)
+    t_end = time.perf_counter()
+    k = len(draft.tokens)
+    gen.stats.record_round(k, m)
+    if drafter is not None:
+        drafter.observe(k, m)
+    gen.commit(draft.tokens[:m] + [next_token])
+    if watch is not None and drafter is not None and k:
+        watch.record(m + 1, t_verify - t_draft, t_end - t_verify)
 
-    A verify pass over k+1 tokens costs at least a plain step, so using it as the plain step's
-    cost errs towards staying speculative; we only fall back when clearly slower.
-    """
-    tokens = sum(w[0] for w in window)
-    draft_s = sum(w[1] for w in window)
-    verify_s = sum(w[2] for w in window)
-    return tokens * verify_s / len(window) < draft_s + verify_s
 
-
-def _sample_row(probs: torch.Tensor, generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _generator(config: DecodeConfig, device) -> torch.Generator | None:
+    if config.sampling.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    return generator
 
 
 def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:

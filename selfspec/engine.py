@@ -1,34 +1,36 @@
 """The Python API: load a model once, generate many times, with a plan or any drafter.
 
-    from selfspec import Engine
-    engine = Engine.load("qwen2.5-coder-1.5b")
-    result = engine.generate("def fib(n):", drafter=engine.self_drafter(), on_text=print)
-    print(result.stats.mean_accepted_length)
+from selfspec import Engine
+engine = Engine.load("qwen2.5-coder-1.5b")
+result = engine.generate("def fib(n):", drafter=engine.self_drafter(), on_text=print)
+print(result.stats.mean_accepted_length)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 from selfspec.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.drafters import Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.errors import SelfSpecError
-from selfspec.models import DEFAULT_MODEL, LoadedModel, load_model
+from selfspec.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
+from selfspec.paths import find_default_plan
 from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
-from selfspec.runner import make_runner
+from selfspec.runner import ModelRunner
 from selfspec.sampling import Sampling
-from selfspec.speed import QUANTIZED_MODES, numerics_note
-
-REPO_SEARCH_DIR = Path(__file__).resolve().parent.parent / "search"
+from selfspec.speed import GRAPH_MODES, numerics_note
 
 
-def default_plan_path(model_name: str, speed: str | None = None) -> Path:
-    """Plans live in the repo's search/<model>/plan.json, beside the recipe that produced them; one
-    searched in a quantized speed mode (whose costs differ) in search/<model>/<mode>/plan.json."""
-    folder = REPO_SEARCH_DIR / model_name
-    return folder / speed / "plan.json" if speed in QUANTIZED_MODES else folder / "plan.json"
+def make_runner(loaded: LoadedModel) -> ModelRunner:
+    """The runner for a loaded model: on CUDA, fixed-shape passes (replayed as CUDA graphs in the
+    graph modes); elsewhere the ordinary runner."""
+    if loaded.device.type == "cuda":
+        from selfspec.static import StaticRunner
+
+        graphs = loaded.speed in GRAPH_MODES
+        return StaticRunner(loaded, graphs=graphs, compile=loaded.speed == "cuda-compiled")
+    return ModelRunner(loaded)
 
 
 @dataclass
@@ -41,13 +43,23 @@ class GenerationResult:
     device_type: str = "cpu"
 
     @property
+    def numerics_note(self) -> str | None:
+        """How the arithmetic that produced the tokens differs from transformers' own; None: it does not."""
+        return numerics_note(self.speed_mode, self.device_type)
+
+    @property
     def numerics(self) -> str:
-        """What arithmetic produced the tokens: the model's own as transformers computes it, or how it differs."""
-        return numerics_note(self.speed_mode, self.device_type) or "the model's own"
+        """What arithmetic produced the tokens: the model's own, or how it differs."""
+        return self.numerics_note or "the model's own"
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "prompt_tokens": self.prompt_tokens, "speed_mode": self.speed_mode,
-                "numerics": self.numerics, **self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "speed_mode": self.speed_mode,
+            "numerics": self.numerics,
+            **self.stats.to_dict(),
+        }
 
 
 class TextStream:
@@ -64,7 +76,7 @@ class TextStream:
         if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
             return
         if len(text) > self.printed:
-            self.on_text(text[self.printed:])
+            self.on_text(text[self.printed :])
             self.printed = len(text)
 
 
@@ -76,46 +88,53 @@ class Engine:
         self.identity = self.runner.adapter.identity(loaded.name)
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None, speed: str = "auto") -> "Engine":
+    def load(
+        cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None, speed: str = "auto"
+    ) -> Engine:
         """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest that runs."""
         return cls(load_model(model, device=device, dtype=dtype, speed=speed))
 
     # -- plans and drafters -----------------------------------------------------------------
     def default_plan(self) -> SkipPlan | None:
-        path = default_plan_path(self.loaded.name, self.loaded.speed)
-        if not path.is_file() and self.loaded.speed == "gguf-q8":  # the closest costs: same weights
-            path = default_plan_path(self.loaded.name, "gguf")
-        if not path.is_file():
-            path = default_plan_path(self.loaded.name)
-        return self.load_plan(path) if path.is_file() else None
+        """The user's searched plan for this model and speed mode, else the one shipped with
+        selfspec (a mode without its own borrows the closest: see ``selfspec.paths``)."""
+        path = find_default_plan(self.loaded.name, self.loaded.speed)
+        return self.load_plan(path) if path is not None else None
 
     def load_plan(self, path) -> SkipPlan:
         plan = load_plan(path)
         check_plan_matches(plan, self.identity, source=str(path))
         return plan
 
-    def make_plan(self, skip_attention=(), skip_mlp=(), policy: DraftPolicy | None = None,
-                  provenance: dict | None = None) -> SkipPlan:
+    def make_plan(
+        self,
+        skip_attention=(),
+        skip_mlp=(),
+        policy: DraftPolicy | None = None,
+        provenance: dict | None = None,
+    ) -> SkipPlan:
         return build_plan(self.identity, skip_attention, skip_mlp, policy, provenance)
 
     def self_drafter(self, plan: SkipPlan | None = None) -> SelfSkipDrafter:
         plan = plan or self.default_plan()
         if plan is None:
             raise SelfSpecError(
-                f"no skip plan for {self.loaded.name}: pass one, or run `selfspec search --model {self.loaded.name}`.")
+                f"no skip plan for {self.loaded.name}: pass one, or run `selfspec search --model {self.loaded.name}`."
+            )
         check_plan_matches(plan, self.identity)
         return SelfSkipDrafter(self.runner, plan)
 
-    def model_drafter(self, draft: str | LoadedModel | "Engine") -> ModelDrafter:
+    def model_drafter(self, draft: str | LoadedModel | Engine) -> ModelDrafter:
         if isinstance(draft, Engine):
             draft = draft.loaded
         if isinstance(draft, str):
-            draft = load_model(draft, device=str(self.loaded.device), dtype=self.loaded.dtype,
-                               speed=self.loaded.speed)
-        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise SelfSpecError(
-                f"draft model '{draft.name}' does not share the target's tokenizer, so its tokens mean "
-                "something else. Pick a draft model of the same family.")
+            draft = load_model(
+                draft,
+                device=str(self.loaded.device),
+                dtype=self.loaded.dtype,
+                speed=self.loaded.speed,
+            )
+        check_same_tokenizer(self.loaded.name, self.tokenizer, draft.name, draft.tokenizer)
         return ModelDrafter(make_runner(draft))
 
     # -- generation ---------------------------------------------------------------------------
@@ -125,9 +144,14 @@ class Engine:
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise SelfSpecError(f"{self.loaded.name} has no chat template; drop --chat.")
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            )
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def eos_ids(self) -> tuple[int, ...]:
@@ -168,9 +192,18 @@ class Engine:
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt, chat=chat)
         plan = drafter.plan if isinstance(drafter, SelfSkipDrafter) else None
         config = config or self.decode_config(
-            plan, max_new_tokens=max_new_tokens, sampling=sampling or Sampling(), seed=seed,
-            stop_strings=tuple(stop_strings), max_draft_tokens=max_draft_tokens)
+            plan,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling or Sampling(),
+            seed=seed,
+            stop_strings=tuple(stop_strings),
+            max_draft_tokens=max_draft_tokens,
+        )
         stream = TextStream(self.tokenizer, on_text) if on_text else None
-        ids, stats = generate_ids(self.runner, prompt_ids, config, drafter, self.tokenizer, on_tokens=stream)
+        ids, stats = generate_ids(
+            self.runner, prompt_ids, config, drafter, self.tokenizer, on_tokens=stream
+        )
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return GenerationResult(text, ids, len(prompt_ids), stats, self.loaded.speed, self.loaded.device.type)
+        return GenerationResult(
+            text, ids, len(prompt_ids), stats, self.loaded.speed, self.loaded.device.type
+        )

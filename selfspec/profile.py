@@ -12,20 +12,32 @@ import json
 import statistics
 import time
 
+from selfspec.cliargs import (
+    add_model_arguments,
+    add_plan_arguments,
+    check_at_least,
+    load_engine,
+    resolve_plan,
+)
+
 SIZES = (1, 2, 4, 8, 16)
 
 
 def add_arguments(parser) -> None:
-    from selfspec.cli import add_model_arguments
-
     add_model_arguments(parser)
-    parser.add_argument("--plan", default=None, help="plan whose draft step to time (default: the committed plan)")
-    parser.add_argument("--skip-attention", default=None, help="attention sublayers the draft skips (overrides the plan)")
-    parser.add_argument("--skip-mlp", default=None, help="MLP sublayers the draft skips (overrides the plan)")
-    parser.add_argument("--prefix", type=int, default=200, help="cached prefix length (default 200)")
-    parser.add_argument("--repeats", type=int, default=5, help="repeats per measurement; the median is reported")
-    parser.add_argument("--acceptance", type=float, default=None,
-                        help="per-token draft acceptance for the best-draft-length estimate (default: the plan's measured one, else 0.8)")
+    add_plan_arguments(parser, "whose draft step to time")
+    parser.add_argument(
+        "--prefix", type=int, default=200, help="cached prefix length (default 200)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="repeats per measurement; the median is reported"
+    )
+    parser.add_argument(
+        "--acceptance",
+        type=float,
+        default=None,
+        help="per-token draft acceptance for the best-draft-length estimate (default: the plan's measured one, else 0.8)",
+    )
     parser.add_argument("--json", action="store_true")
 
 
@@ -45,7 +57,9 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, acceptance: float | None = None) -> dict:
+def profile_engine(
+    engine, plan=None, prefix: int = 200, repeats: int = 5, acceptance: float | None = None
+) -> dict:
     import torch
     from transformers import DynamicCache
 
@@ -60,7 +74,9 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     runner.reset(prefix + max(SIZES) + 1)
     runner.forward(prefix_ids, 0, last_logits_only=True)
 
-    forward_ms = {str(n): _median_ms(lambda n=n: runner.forward(new_ids[:n], prefix), repeats) for n in SIZES}
+    forward_ms = {
+        str(n): _median_ms(lambda n=n: runner.forward(new_ids[:n], prefix), repeats) for n in SIZES
+    }
 
     hf_cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -69,7 +85,9 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     def hf_step(n):
         with torch.inference_mode():
             model(new_ids[None, :n].to(runner.device), past_key_values=hf_cache, use_cache=True)
-        hf_cache.crop(-n)  # drop the n new tokens again (negative: works across transformers versions)
+        hf_cache.crop(
+            -n
+        )  # drop the n new tokens again (negative: works across transformers versions)
 
     hf_forward_ms = {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
 
@@ -88,12 +106,29 @@ def profile_engine(engine, plan=None, prefix: int = 200, repeats: int = 5, accep
     if plan is not None:
         from selfspec.drafters import SelfSkipDrafter
 
-        drafter = SelfSkipDrafter(runner, plan)  # time the step as the drafter runs it: capture, draft head
-        draft_ms = _median_ms(lambda: runner.forward(new_ids[:1], prefix, drafter.skip_attention, drafter.skip_mlp,
-                                                     capture_at=drafter.resume_at, vocab=drafter.draft_vocab), repeats)
-        alpha = acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
-        result.update(draft_step_ms=draft_ms, draft_cost_ratio=draft_ms / forward_ms["1"],
-                      acceptance_assumed=alpha, **best_draft_length(alpha, draft_ms, forward_ms))
+        drafter = SelfSkipDrafter(
+            runner, plan
+        )  # time the step as the drafter runs it: capture, draft head
+        draft_ms = _median_ms(
+            lambda: runner.forward(
+                new_ids[:1],
+                prefix,
+                drafter.skip_attention,
+                drafter.skip_mlp,
+                capture_at=drafter.resume_at,
+                vocab=drafter.draft_vocab,
+            ),
+            repeats,
+        )
+        alpha = (
+            acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
+        )
+        result.update(
+            draft_step_ms=draft_ms,
+            draft_cost_ratio=draft_ms / forward_ms["1"],
+            acceptance_assumed=alpha,
+            **best_draft_length(alpha, draft_ms, forward_ms),
+        )
     return result
 
 
@@ -123,26 +158,32 @@ def best_draft_length(alpha: float, draft_ms: float, forward_ms: dict) -> dict:
 
 
 def run(args) -> int:
-    from selfspec.cli import resolve_plan, torch_dtype
-    from selfspec.engine import Engine
-
-    engine = Engine.load(args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed)
-    args.no_plan = False
+    check_at_least("--repeats", args.repeats, 1)
+    check_at_least("--prefix", args.prefix, 1)
+    engine = load_engine(args)
     plan = resolve_plan(engine, args)
-    result = profile_engine(engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance)
+    result = profile_engine(
+        engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance
+    )
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['model']} on {result['device']} ({result['dtype']}, speed mode {result['speed_mode']}, "
-          f"{result['threads']} threads), "
-          f"{result['prefix']}-token cached prefix, median of {args.repeats}")
+    print(
+        f"{result['model']} on {result['device']} ({result['dtype']}, speed mode {result['speed_mode']}, "
+        f"{result['threads']} threads), "
+        f"{result['prefix']}-token cached prefix, median of {args.repeats}"
+    )
     print(f"{'tokens':>6} {'selfspec ms':>12} {'transformers ms':>16} {'ratio to 1 token':>17}")
     for n in SIZES:
         s, h = result["forward_ms"][str(n)], result["hf_forward_ms"][str(n)]
         print(f"{n:>6} {s:>12.1f} {h:>16.1f} {s / result['forward_ms']['1']:>17.2f}")
     if plan is not None:
-        print(f"draft step ({len(plan.skip_attention)} attention + {len(plan.skip_mlp)} MLP sublayers skipped): "
-              f"{result['draft_step_ms']:.1f} ms = {result['draft_cost_ratio']:.2f} of a full step")
-        print(f"at acceptance {result['acceptance_assumed']:.2f}: best draft length {result['best_draft_length']}, "
-              f"predicted speedup {result['predicted_speedup']:.2f}x")
+        print(
+            f"draft step ({len(plan.skip_attention)} attention + {len(plan.skip_mlp)} MLP sublayers skipped): "
+            f"{result['draft_step_ms']:.1f} ms = {result['draft_cost_ratio']:.2f} of a full step"
+        )
+        print(
+            f"at acceptance {result['acceptance_assumed']:.2f}: best draft length {result['best_draft_length']}, "
+            f"predicted speedup {result['predicted_speedup']:.2f}x"
+        )
     return 0

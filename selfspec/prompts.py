@@ -37,16 +37,31 @@ def _read_jsonl(path: Path) -> list[Prompt]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SelfSpecError(f"{path}, line {number}: not valid JSON ({exc.msg}). Expected one JSON object per line.")
+            raise SelfSpecError(
+                f"{path}, line {number}: not valid JSON ({exc.msg}). Expected one JSON object per line."
+            )
         if not isinstance(row, dict):
-            raise SelfSpecError(f"{path}, line {number}: expected a JSON object with 'turns' or 'prompt'.")
+            raise SelfSpecError(
+                f"{path}, line {number}: expected a JSON object with 'turns' or 'prompt'."
+            )
         turns = row.get("turns")
-        text = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], str) else row.get("prompt")
+        text = (
+            turns[0]
+            if isinstance(turns, list) and turns and isinstance(turns[0], str)
+            else row.get("prompt")
+        )
         if not isinstance(text, str) or not text.strip():
             raise SelfSpecError(
                 f"{path}, line {number}: no prompt found. Each row needs a non-empty 'turns' list "
-                "(Spec-Bench format) or a 'prompt' string.")
-        prompts.append(Prompt(str(row.get("question_id", row.get("id", number))), str(row.get("category", "all")), text))
+                "(Spec-Bench format) or a 'prompt' string."
+            )
+        prompts.append(
+            Prompt(
+                str(row.get("question_id", row.get("id", number))),
+                str(row.get("category", "all")),
+                text,
+            )
+        )
     if not prompts:
         raise SelfSpecError(f"prompts file {path} holds no prompts.")
     return prompts
@@ -61,8 +76,10 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
             known = sorted({p.category for p in prompts})
             unknown = [c for c in wanted if c not in known]
             if unknown:
-                raise SelfSpecError(f"unknown Spec-Bench categor{'y' if len(unknown) == 1 else 'ies'} "
-                                    f"{', '.join(unknown)}. Known: {', '.join(known)}.")
+                raise SelfSpecError(
+                    f"unknown Spec-Bench categor{'y' if len(unknown) == 1 else 'ies'} "
+                    f"{', '.join(unknown)}. Known: {', '.join(known)}."
+                )
             prompts = [p for p in prompts if p.category in wanted]
     else:
         prompts = _read_jsonl(Path(spec).expanduser())

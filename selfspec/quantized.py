@@ -6,7 +6,7 @@ more bytes than the file holds. In this mode each linear layer keeps the file's 
 repacked into the 16-wide panels of the ``packed`` mode, and the kernel rebuilds every weight
 in registers as exactly the float32 value the file dequantizes to (ggml's formula, one
 rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit for bit, from
-a fifth of the bytes (1.18 GB per pass for the 1.5B instead of 6.2). At load, the first and
+a fifth of the bytes (README, "Speed mode gguf"). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
 Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for AVX-512 VNNI, and
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
-from selfspec.speed import KERNEL_MAX_ROWS, matmul_panels, pack_weight
+from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, matmul_panels, pack_weight
 
-PANEL = 16
 NIBBLES, BYTES, SUPER_NIBBLES = 0, 1, 2  # kernel formats (kernels/packed_linear.cpp)
 _DEQUANT_CHUNK_PANELS = 512  # bounds the float32 panels alive at once during prefill
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
@@ -47,7 +47,9 @@ class Decoded:
     offset: np.ndarray | None  # [N, K // G] float32 (NIBBLES)
     group: int
     format: int
-    factors: tuple | None = None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8
+    factors: tuple | None = (
+        None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8
+    )
 
     def weights(self, first: int, last: int) -> np.ndarray:
         """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
@@ -74,15 +76,27 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 
 
 def _q4_k(raw, rows):
-    b = _blocks(raw, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-    d, dmin = np.ascontiguousarray(b[:, 0:2]).view(np.float16), np.ascontiguousarray(b[:, 2:4]).view(np.float16)
+    b = _blocks(
+        raw, 144
+    )  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    d, dmin = (
+        np.ascontiguousarray(b[:, 0:2]).view(np.float16),
+        np.ascontiguousarray(b[:, 2:4]).view(np.float16),
+    )
     packed = b[:, 4:16].reshape(-1, 3, 4)
     lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
     mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 15).reshape(rows, -1)  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
-    factors = (d.reshape(rows, -1), dmin.reshape(rows, -1), sc.reshape(rows, -1), mins.reshape(rows, -1))
+    q = (qs & 15).reshape(
+        rows, -1
+    )  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
+    factors = (
+        d.reshape(rows, -1),
+        dmin.reshape(rows, -1),
+        sc.reshape(rows, -1),
+        mins.reshape(rows, -1),
+    )
     return Decoded(q, None, None, 32, SUPER_NIBBLES, factors)
 
 
@@ -96,7 +110,9 @@ def _q4_1(raw, rows):
 def _q6_k(raw, rows):
     b = _blocks(raw, 210)  # 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d f16
     ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    qh = (
+        b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    ) & 3
     q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
     scale = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
     return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES)
@@ -104,7 +120,9 @@ def _q6_k(raw, rows):
 
 def _q8_0(raw, rows):
     b = _blocks(raw, 34)  # d f16, 32 int8
-    return Decoded(b[:, 2:].view(np.int8).reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+    return Decoded(
+        b[:, 2:].view(np.int8).reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES
+    )
 
 
 def _q5_0(raw, rows):
@@ -148,7 +166,7 @@ def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
     if decoded.format == BYTES:
         q = q.view(np.uint8) ^ np.uint8(0x80)
     else:
-        q = q[..., : g // 2] | (q[..., g // 2:] << 4)
+        q = q[..., : g // 2] | (q[..., g // 2 :] << 4)
     q = q.reshape(n // PANEL, PANEL, groups, -1, 4)
     return np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, groups, -1)
 
@@ -169,8 +187,14 @@ def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
         d, dmin, sc, m = decoded.factors
         groups_record = np.concatenate([lanes_last(sc), lanes_last(m), q], axis=2)
         supers = k // 256
-        record = np.concatenate([lanes_last(d).view(np.uint8), lanes_last(dmin).view(np.uint8),
-                                 groups_record.reshape(panels, supers, -1)], axis=2)
+        record = np.concatenate(
+            [
+                lanes_last(d).view(np.uint8),
+                lanes_last(dmin).view(np.uint8),
+                groups_record.reshape(panels, supers, -1),
+            ],
+            axis=2,
+        )
         return torch.from_numpy(record.reshape(panels, -1))
     header = [lanes_last(decoded.scale).view(np.uint8)]
     if decoded.format == NIBBLES:
@@ -189,15 +213,21 @@ class QuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, decoded: Decoded, kernel, type_name: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel, self.format, self.group, self.type_name = kernel, decoded.format, decoded.group, type_name
+        self.kernel, self.format, self.group, self.type_name = (
+            kernel,
+            decoded.format,
+            decoded.group,
+            type_name,
+        )
         self.register_buffer("quant_weight", pack(decoded, vnni=self.vnni))
         bias = linear.bias.detach().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
-        return self.kernel.dequantize_panels(self.quant_weight[first:last], self.format, self.group,
-                                             self.in_features)
+        return self.kernel.dequantize_panels(
+            self.quant_weight[first:last], self.format, self.group, self.in_features
+        )
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         n = out_features or self.out_features
@@ -205,7 +235,9 @@ class QuantLinear(nn.Module):
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.quant_linear(rows, self.quant_weight[:panels], self.format, self.group, bias)
+            out = self.kernel.quant_linear(
+                rows, self.quant_weight[:panels], self.format, self.group, bias
+            )
         else:  # as PackedLinear does, over float32 panels rebuilt a chunk at a time
             chunks = []
             for first in range(0, panels, _DEQUANT_CHUNK_PANELS):
@@ -217,8 +249,10 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weights={self.type_name} as 16-wide panels")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weights={self.type_name} as 16-wide panels"
+        )
 
 
 class Q8Linear(QuantLinear):
@@ -236,7 +270,9 @@ class Q8Linear(QuantLinear):
         n = out_features or self.out_features
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
-        out = self.kernel.q8_linear(rows, self.quant_weight[: n // PANEL], self.format, self.group, bias, False)
+        out = self.kernel.q8_linear(
+            rows, self.quant_weight[: n // PANEL], self.format, self.group, bias, False
+        )
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
@@ -246,8 +282,12 @@ class Q8Linear(QuantLinear):
 # GGUF tensor names of a llama-style decoder's linear layers (llama.cpp's naming, shared by the
 # llama, qwen2, mistral and gemma3 files).
 _LAYER_LINEARS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -261,13 +301,25 @@ class GGUFTensor:
     data: np.ndarray  # [rows, bytes per row] uint8, mapped from the file
 
 
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_SCALAR_BYTES = {
+    0: 1,
+    1: 1,
+    2: 2,
+    3: 2,
+    4: 4,
+    5: 4,
+    6: 4,
+    7: 1,
+    10: 8,
+    11: 8,
+    12: 8,
+}  # GGUF value types
 _STRING, _ARRAY = 8, 9
 
 
 def gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     """The tensors of a GGUF file, mapped, not read. (gguf's GGUFReader also parses every metadata
-    value, the 150k-token vocabulary included: 14 s for a Qwen file; this skips them.)"""
+    value, the 150k-token vocabulary included, which takes seconds; this skips them.)"""
     import struct
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -286,7 +338,7 @@ def gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
             nonlocal pos
             length = take("Q")
             pos += length
-            return bytes(mapped[pos - length: pos]).decode("utf-8", "replace")
+            return bytes(mapped[pos - length : pos]).decode("utf-8", "replace")
 
         def skip_value(kind: int) -> None:
             nonlocal pos
@@ -327,46 +379,64 @@ def gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
             begin = start + offset
             if begin + rows * row_bytes > mapped.size:
                 raise ValueError(f"tensor {name} runs past the end of the file")
-            tensors[name] = GGUFTensor(name, kind.name, rows, dims[0],
-                                       mapped[begin: begin + rows * row_bytes].reshape(rows, row_bytes))
+            tensors[name] = GGUFTensor(
+                name,
+                kind.name,
+                rows,
+                dims[0],
+                mapped[begin : begin + rows * row_bytes].reshape(rows, row_bytes),
+            )
         return tensors
     except Exception as exc:  # struct, enum and numpy errors all mean a damaged file here
-        raise SelfSpecError(f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
-                            "Download it again, or use --speed packed.") from exc
+        raise SelfSpecError(
+            f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
+            "Download it again, or use --speed packed."
+        ) from exc
 
 
 def _module(model: nn.Module, dotted: str) -> nn.Module:
     try:
         return model.get_submodule(dotted)
     except AttributeError as exc:
-        raise SelfSpecError(f"the model has no module {dotted}; speed mode gguf cannot map its GGUF file onto "
-                            "it. Use --speed packed.") from exc
+        raise SelfSpecError(
+            f"the model has no module {dotted}; speed mode gguf cannot map its GGUF file onto "
+            "it. Use --speed packed."
+        ) from exc
 
 
 def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool = False) -> int:
     """Swap the decoder's and the head's nn.Linear modules for QuantLinear (``activations8``: Q8Linear)
     built from the file."""
-    from selfspec.adapters import adapter_for
-
     adapter = adapter_for(model)
     tensors = gguf_tensors(gguf_path)
-    head_source = "token_embd.weight" if getattr(model.config, "tie_word_embeddings", False) else "output.weight"
-    targets = [(f"blk.{i}.{short}.weight", f"model.layers.{i}.{module}")
-               for i in range(adapter.num_layers) for short, module in _LAYER_LINEARS.items()]
+    head_source = (
+        "token_embd.weight"
+        if getattr(model.config, "tie_word_embeddings", False)
+        else "output.weight"
+    )
+    targets = [
+        (f"blk.{i}.{short}.weight", f"model.layers.{i}.{module}")
+        for i in range(adapter.num_layers)
+        for short, module in _LAYER_LINEARS.items()
+    ]
     targets.append((head_source if head_source in tensors else "token_embd.weight", "lm_head"))
     swaps = []  # made once every layer is built and checked: a bad file leaves the model untouched
     for gguf_name, module_name in targets:
         linear = _module(model, module_name)
         tensor = tensors.get(gguf_name)
         if tensor is None or not isinstance(linear, nn.Linear):
-            raise SelfSpecError(f"{gguf_path.name} has no tensor {gguf_name} for {module_name}; "
-                                "speed mode gguf cannot map this file onto the model. Use --speed packed.")
+            raise SelfSpecError(
+                f"{gguf_path.name} has no tensor {gguf_name} for {module_name}; "
+                "speed mode gguf cannot map this file onto the model. Use --speed packed."
+            )
         if linear.out_features % (PANEL * kernel.panels_per_group()):
             continue  # stays float32 (never the case for the bundled models)
         if (tensor.rows, tensor.columns) != (linear.out_features, linear.in_features):
-            raise SelfSpecError(f"{gguf_name} in {gguf_path.name} is [{tensor.rows}, {tensor.columns}], but "
-                                f"{module_name} is [{linear.out_features}, {linear.in_features}]: this GGUF file "
-                                "is not the model's. Use --speed packed.")
+            raise SelfSpecError(
+                f"{gguf_name} in {gguf_path.name} is [{tensor.rows}, {tensor.columns}], but "
+                f"{module_name} is [{linear.out_features}, {linear.in_features}]: this GGUF file "
+                "is not the model's. Use --speed packed."
+            )
         raw = tensor.data
         rows = adapter.gguf_row_order(gguf_name, raw.shape[0])
         if rows is not None:
@@ -409,6 +479,6 @@ def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_
     order at a fraction of the cost; the tests compare every weight of the bundled models."""
     panels = quant.quant_weight.shape[0]
     for first, last in ((0, min(panels, _CHECK_PANELS)), (max(0, panels - _CHECK_PANELS), panels)):
-        expected = pack_weight(weight[first * PANEL: last * PANEL])
+        expected = pack_weight(weight[first * PANEL : last * PANEL])
         if not torch.equal(quant.dequantized_panels(first, last), expected):
             raise _not_the_models(gguf_name, gguf_path)

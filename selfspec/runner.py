@@ -22,7 +22,9 @@ from selfspec.adapters import adapter_for
 class KVCache:
     """Static key/value buffers for every layer, written at ``write_pos`` by HF attention modules."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device):
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device
+    ):
         shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -61,7 +63,7 @@ class ModelRunner:
     def __init__(self, loaded):
         self.loaded = loaded
         self.model = loaded.model
-        self.adapter = adapter_for(self.model)
+        self.adapter = adapter_for(self.model, loaded.fused)
         self.num_layers = self.adapter.num_layers
         self.num_sublayers = 2 * self.num_layers
         self.device = loaded.device
@@ -69,13 +71,17 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
         self.head_rows = self.model.get_output_embeddings().out_features  # logits per token
-        self.windows = {self.adapter.window(i) for i in range(self.num_layers)}  # None: full attention
+        self.windows = {
+            self.adapter.window(i) for i in range(self.num_layers)
+        }  # None: full attention
 
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""
         if self.cache is None or self.cache.max_len < max_len:
             a = self.adapter
-            self.cache = KVCache(a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device)
+            self.cache = KVCache(
+                a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device
+            )
 
     def _masks(self, start: int, n: int) -> dict:
         """Boolean masks [1, 1, n, start+n] per attention window; None where SDPA needs none."""
@@ -85,7 +91,9 @@ class ModelRunner:
         for window in self.windows:
             needs_window = window is not None and start + n > window
             if n == 1 and not needs_window:
-                masks[window] = None  # one query attends to everything cached: same call as HF decoding
+                masks[window] = (
+                    None  # one query attends to everything cached: same call as HF decoding
+                )
             elif start == 0 and not needs_window:
                 masks[window] = None  # SDPA applies is_causal itself, as in HF prefill
             else:
@@ -117,14 +125,18 @@ class ModelRunner:
         if resume is not None and resume.hidden.shape[1] < n:
             # Catch the rows the resume does not cover up to the resume point (one token, usually).
             k = resume.hidden.shape[1]
-            tail, _ = self._run(ids[:, k:], start + k, 0, resume.sublayer, skip_attention, skip_mlp, None, None)
+            tail, _ = self._run(
+                ids[:, k:], start + k, 0, resume.sublayer, skip_attention, skip_mlp, None, None
+            )
             hidden = torch.cat([resume.hidden, tail], dim=1)
             first = resume.sublayer
         elif resume is not None:
             hidden, first = resume.hidden, resume.sublayer
         else:
             hidden, first = a.embed(ids), 0
-        hidden, captured = self._run(ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at)
+        hidden, captured = self._run(
+            ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at
+        )
         if last_logits_only:  # prefill: the head over every prompt token would be wasted work
             hidden = hidden[:, -1:]
         return a.logits(hidden, vocab)[0].float(), captured
@@ -138,7 +150,9 @@ class ModelRunner:
         positions = torch.arange(start, start + n, device=self.device)[None]
         rope = a.position_embeddings(hidden, positions)
         self.cache.write_pos = start
-        return self._sublayers(hidden, rope, self._masks(start, n), first, stop, skip_attention, skip_mlp, capture_at)
+        return self._sublayers(
+            hidden, rope, self._masks(start, n), first, stop, skip_attention, skip_mlp, capture_at
+        )
 
     def _sublayers(self, hidden, rope, masks, first, stop, skip_attention, skip_mlp, capture_at):
         """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering ``capture_at``)."""
@@ -156,13 +170,3 @@ class ModelRunner:
         if capture_at is not None and capture_at >= stop:
             captured = hidden
         return hidden, captured
-
-
-def make_runner(loaded) -> ModelRunner:
-    """The runner for a loaded model: on CUDA, fixed-shape passes (replayed as CUDA graphs in the graph modes)."""
-    if loaded.device.type == "cuda":
-        from selfspec.speed import GRAPH_MODES
-        from selfspec.static import StaticRunner
-
-        return StaticRunner(loaded, graphs=loaded.speed in GRAPH_MODES, compile=loaded.speed == "cuda-compiled")
-    return ModelRunner(loaded)

@@ -41,7 +41,10 @@ class StaticKVCache(KVCache):
     positions: torch.Tensor | None = None  # [rows], set by the runner for each pass
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.keys[layer_idx], self.values[layer_idx]  # [1, kv_heads, max_len, head_dim]
+        keys, values = (
+            self.keys[layer_idx],
+            self.values[layer_idx],
+        )  # [1, kv_heads, max_len, head_dim]
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
         return keys, values
@@ -53,6 +56,9 @@ class StaticRunner(ModelRunner):
 
     def __init__(self, loaded, graphs: bool = True, compile: bool = False):
         super().__init__(loaded)
+        # Fixed-shape passes address the cache through position tensors and whole-cache masks,
+        # which the fused native sublayers do not take: this runner calls the model's modules.
+        self.adapter.fused = None
         self.use_graphs = graphs and self.device.type == "cuda"
         # torch.compile (speed mode cuda-compiled) fuses the small ops between the matmuls (norms,
         # rope, activations): 1338 kernels per pass of the 1.5B become 564. Fusion may keep a value
@@ -65,7 +71,9 @@ class StaticRunner(ModelRunner):
         # The static inputs every graph reads; a pass copies its tokens, positions and hidden states in.
         self.ids = torch.zeros(PASS_ROWS, dtype=torch.long, device=self.device)
         self.positions = torch.arange(PASS_ROWS, device=self.device)
-        self.hidden_in = torch.zeros(1, PASS_ROWS, hidden_size, dtype=self.dtype, device=self.device)
+        self.hidden_in = torch.zeros(
+            1, PASS_ROWS, hidden_size, dtype=self.dtype, device=self.device
+        )
         self.key_positions: torch.Tensor | None = None  # [max_len]: 0, 1, ...
         self.graphs: dict[tuple, tuple] = {}  # pass kind -> (CUDA graph, its output tensors)
 
@@ -76,48 +84,99 @@ class StaticRunner(ModelRunner):
             self.graphs.clear()  # they read and write the old buffers
             self.cache = None  # free the old cache before making the new one
             a = self.adapter
-            self.cache = StaticKVCache(a.num_layers, a.num_kv_heads, a.head_dim, size, self.dtype, self.device)
+            self.cache = StaticKVCache(
+                a.num_layers, a.num_kv_heads, a.head_dim, size, self.dtype, self.device
+            )
             self.key_positions = torch.arange(size, device=self.device)
 
     def _static_masks(self, positions: torch.Tensor) -> dict:
         """Boolean masks [1, 1, rows, max_len] per attention window, over the whole cache."""
-        return {window: attention_mask(positions[:, None], self.key_positions[None, :], window)
-                for window in self.windows}
+        return {
+            window: attention_mask(positions[:, None], self.key_positions[None, :], window)
+            for window in self.windows
+        }
 
-    def _pass(self, ids, positions, hidden, first, skip_attention, skip_mlp, capture_at, vocab, last_only=False):
+    def _pass(
+        self,
+        ids,
+        positions,
+        hidden,
+        first,
+        skip_attention,
+        skip_mlp,
+        capture_at,
+        vocab,
+        last_only=False,
+    ):
         """One pass from sublayer ``first`` to the logits: every shape is that of the inputs."""
         a = self.adapter
         if first == 0:
             hidden = a.embed(ids[None])
         rope = a.position_embeddings(hidden, positions[None])
         self.cache.positions = positions
-        hidden, captured = self._sublayers(hidden, rope, self._static_masks(positions), first, self.num_sublayers,
-                                           skip_attention, skip_mlp, capture_at)
+        hidden, captured = self._sublayers(
+            hidden,
+            rope,
+            self._static_masks(positions),
+            first,
+            self.num_sublayers,
+            skip_attention,
+            skip_mlp,
+            capture_at,
+        )
         if last_only:
             hidden = hidden[:, -1:]
         return a.logits(hidden, vocab)[0].float(), captured
 
     @torch.inference_mode()
-    def forward(self, input_ids, start, skip_attention=frozenset(), skip_mlp=frozenset(), resume=None,
-                capture_at=None, last_logits_only=False, vocab=None):
+    def forward(
+        self,
+        input_ids,
+        start,
+        skip_attention=frozenset(),
+        skip_mlp=frozenset(),
+        resume=None,
+        capture_at=None,
+        last_logits_only=False,
+        vocab=None,
+    ):
         """As ``ModelRunner.forward``. ``last_logits_only`` (prefill) runs one eager pass over every
         token; anything else runs in passes of ``PASS_ROWS`` rows."""
         ids = input_ids.reshape(-1).to(self.device)
         n = ids.shape[0]
         if last_logits_only:
-            hidden, first = (resume.hidden, resume.sublayer) if resume is not None and resume.hidden.shape[1] == n \
+            hidden, first = (
+                (resume.hidden, resume.sublayer)
+                if resume is not None and resume.hidden.shape[1] == n
                 else (None, 0)
+            )
             positions = torch.arange(start, start + n, device=self.device)
-            return self._pass(ids, positions, hidden, first, skip_attention, skip_mlp, capture_at, vocab,
-                              last_only=True)
+            return self._pass(
+                ids,
+                positions,
+                hidden,
+                first,
+                skip_attention,
+                skip_mlp,
+                capture_at,
+                vocab,
+                last_only=True,
+            )
         logits, captured = [], []
         for offset in range(0, n, PASS_ROWS):
             rows = min(PASS_ROWS, n - offset)
             part = None
             if resume is not None and resume.hidden.shape[1] >= offset + rows:
-                part = Resume(resume.sublayer, resume.hidden[:, offset:offset + rows])
-            part_logits, part_captured = self._fixed_pass(ids[offset:offset + rows], start + offset, skip_attention,
-                                                          skip_mlp, part, capture_at, vocab)
+                part = Resume(resume.sublayer, resume.hidden[:, offset : offset + rows])
+            part_logits, part_captured = self._fixed_pass(
+                ids[offset : offset + rows],
+                start + offset,
+                skip_attention,
+                skip_mlp,
+                part,
+                capture_at,
+                vocab,
+            )
             logits.append(part_logits)
             captured.append(part_captured)
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -133,7 +192,9 @@ class StaticRunner(ModelRunner):
         them costs nothing extra in a fixed-shape pass).
         """
         rows = ids.shape[0]
-        self.ids[:rows].copy_(ids)  # rows past ``rows`` keep old tokens: their outputs are never read
+        self.ids[:rows].copy_(
+            ids
+        )  # rows past ``rows`` keep old tokens: their outputs are never read
         self.positions.copy_(torch.arange(start, start + PASS_ROWS))
         first = 0
         if resume is not None and not self.compiled:
@@ -151,6 +212,7 @@ class StaticRunner(ModelRunner):
         """Replay the graph of this kind of pass, capturing it first if it is new."""
         entry = self.graphs.get(kind)
         if entry is None:
+
             def run():
                 return self._pass_fn(self.ids, self.positions, self.hidden_in, *kind)
 
@@ -172,4 +234,3 @@ class StaticRunner(ModelRunner):
             self.graphs[kind] = self.graphs.pop(kind)  # most recently used last
         entry[0].replay()
         return entry[1]
-

@@ -4,9 +4,10 @@ import os
 
 os.environ.setdefault("SELFSPEC_NO_PROGRESS", "1")
 
-import selfspec  # noqa: E402,F401  (sets MKL_CBWR before torch)
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import selfspec  # noqa: E402,F401  (sets MKL_CBWR before torch)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -29,7 +30,7 @@ def qwen05():
 
 def _packed(name):
     from selfspec.engine import Engine
-    from selfspec.speed import kernel_available
+    from selfspec.kernels import kernel_available
 
     if not kernel_available():
         pytest.skip("the packed CPU kernel cannot be built on this machine")
@@ -49,15 +50,22 @@ def qwen05_packed():
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A randomly initialised 4-layer llama with a 64-token vocabulary, for fast exact-distribution tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from selfspec.engine import Engine
     from selfspec.models import LoadedModel
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM(config).eval()
     model.config._attn_implementation = "sdpa"
     vocab = {f"t{i}": i for i in range(64)}

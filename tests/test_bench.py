@@ -1,17 +1,32 @@
-"""`selfspec bench`: every method on the same prompts, well-formed outputs, honest identity checks."""
+"""`selfspec bench`: every method on the same prompts, well-formed outputs, honest identity
+checks."""
 
 import json
+import statistics
 
 import pytest
+import torch
 
 from selfspec import bench
+from selfspec.bench.methods import llama_cpp_available
 from selfspec.cli import main
 from selfspec.prompts import load_prompts
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOKENS = 10
-SUMMARY_FIELDS = ("tokens_per_second", "speedup_vs_hf_generate", "speedup_vs_autoregressive", "mean_accepted_length",
-                  "acceptance_rate", "acceptance_by_position", "identical_to_baseline")
+SUMMARY_FIELDS = (
+    "tokens_per_second",
+    "speedup_vs_hf_generate",
+    "speedup_vs_autoregressive",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "acceptance_by_position",
+    "identical_to_baseline",
+    "decode_tokens_per_second",
+    "decode_speedup_vs_autoregressive",
+    "decode_speedup_vs_hf_generate",
+    "time_to_first_token",
+)
 
 
 def broken(ctx, prompt_ids):
@@ -23,15 +38,24 @@ def broken(ctx, prompt_ids):
 
 def light_plan(engine):
     n = engine.identity.num_layers
-    return engine.make_plan([n // 2 - 2, n // 2, n // 2 + 2], [n // 2 + 1], provenance={"how": "test"})
+    return engine.make_plan(
+        [n // 2 - 2, n // 2, n // 2 + 2], [n // 2 + 1], provenance={"how": "test"}
+    )
 
 
 @pytest.fixture(scope="module")
 def bench_run(smollm2, tmp_path_factory):
-    """One bench over two prompts (two categories): every method that can run, plus the broken one."""
+    """One bench over two prompts (two categories): every method that can run, and a broken one."""
     prompts = load_prompts("spec-bench:coding,math", limit=1)
-    result = bench.run_bench(smollm2, prompts, plan=light_plan(smollm2), draft=smollm2, max_new_tokens=TOKENS,
-                             custom_methods={"broken": broken}, progress=False)
+    result = bench.run_bench(
+        smollm2,
+        prompts,
+        plan=light_plan(smollm2),
+        draft=smollm2,
+        max_new_tokens=TOKENS,
+        custom_methods={"broken": broken},
+        progress=False,
+    )
     out = tmp_path_factory.mktemp("bench")
     written = bench.write_outputs(result, out)
     return result, out, written
@@ -40,10 +64,17 @@ def bench_run(smollm2, tmp_path_factory):
 @pytest.mark.slow
 def test_bench_end_to_end_outputs(bench_run):
     result, out, written = bench_run
-    expected = ["hf_generate", "autoregressive", "self_speculative", "dual_model", "hf_assisted", "prompt_lookup"]
-    assert list(result["methods"])[:len(expected)] == expected
+    expected = [
+        "hf_generate",
+        "autoregressive",
+        "self_speculative",
+        "dual_model",
+        "hf_assisted",
+        "prompt_lookup",
+    ]
+    assert list(result["methods"])[: len(expected)] == expected
     assert "broken" in result["methods"]
-    if not bench.llama_cpp_available():
+    if not llama_cpp_available():
         assert any("llama_cpp skipped" in note for note in result["notes"])
 
     for name, m in result["methods"].items():
@@ -58,13 +89,17 @@ def test_bench_end_to_end_outputs(bench_run):
     methods = result["methods"]
     assert methods["hf_generate"]["speedup_vs_hf_generate"] == pytest.approx(1.0)
     assert methods["autoregressive"]["speedup_vs_autoregressive"] == pytest.approx(1.0)
+    assert methods["autoregressive"]["decode_speedup_vs_autoregressive"] == pytest.approx(1.0)
+
     assert methods["autoregressive"]["mean_accepted_length"] == pytest.approx(1.0)
     assert methods["autoregressive"]["acceptance_rate"] is None
     for name in ("self_speculative", "dual_model"):
         m = methods[name]
         assert m["mean_accepted_length"] > 1.0
         assert 0 < m["acceptance_rate"] <= 1
-        assert m["acceptance_by_position"] and all(v is None or 0 <= v <= 1 for v in m["acceptance_by_position"])
+        assert m["acceptance_by_position"] and all(
+            v is None or 0 <= v <= 1 for v in m["acceptance_by_position"]
+        )
     assert methods["hf_generate"]["acceptance_by_position"] is None
     # Every prompt generated the same number of tokens in each honest method, EOS counted alike.
     for row in result["prompts"]:
@@ -76,9 +111,15 @@ def test_bench_end_to_end_outputs(bench_run):
     assert result["config"]["max_new_tokens"] == TOKENS
     assert "psutil" in result["config"]["memory_method"]
 
-    assert {p.name for p in written} == {"bench.json", "bench.md", "speedup_by_category.png",
-                                         "acceptance_by_position.png"}
-    assert json.loads((out / "bench.json").read_text())["methods"].keys() == result["methods"].keys()
+    assert {p.name for p in written} == {
+        "bench.json",
+        "bench.md",
+        "speedup_by_category.png",
+        "acceptance_by_position.png",
+    }
+    assert (
+        json.loads((out / "bench.json").read_text())["methods"].keys() == result["methods"].keys()
+    )
     md = (out / "bench.md").read_text()
     assert md == bench.format_markdown(result)
     assert "| method | tok/s | vs hf_generate |" in md
@@ -91,6 +132,73 @@ def test_bench_end_to_end_outputs(bench_run):
 
 
 @pytest.mark.slow
+def test_bench_reports_the_decoding_phase_on_its_own(bench_run):
+    """Decode tok/s = (new tokens - 1) / (seconds - time to the first token), per prompt, for
+    selfspec's methods (prefill from their stats) and transformers' (a streamer's clock) alike;
+    the overall figure is the median over prompts."""
+    result, _, _ = bench_run
+    for name in ("autoregressive", "self_speculative", "hf_generate", "prompt_lookup"):
+        rows = [p["methods"][name] for p in result["prompts"]]
+        for row in rows:
+            assert 0 < row["time_to_first_token"] < row["seconds"]
+            expected = (row["new_tokens"] - 1) / (row["seconds"] - row["time_to_first_token"])
+            # rows keep 4 decimals of seconds, hence the tolerance
+            assert row["decode_tokens_per_second"] == pytest.approx(expected, rel=1e-2)
+        overall = result["methods"][name]
+        decode = [r["decode_tokens_per_second"] for r in rows]
+        assert overall["decode_tokens_per_second"] == pytest.approx(
+            statistics.median(decode), rel=1e-3
+        )
+        ttft = [r["time_to_first_token"] for r in rows]
+        assert overall["time_to_first_token"] == pytest.approx(statistics.median(ttft), abs=1e-4)
+        for cat in overall["categories"].values():
+            assert cat["decode_tokens_per_second"] > 0 and cat["time_to_first_token"] > 0
+    assert result["methods"]["hf_generate"]["decode_speedup_vs_hf_generate"] == pytest.approx(1.0)
+    md = bench.format_markdown(result)
+    assert "| decode tok/s | decode vs autoregressive |" in md
+    assert "Decoding-phase speedup vs autoregressive by category" in md
+
+
+def test_decoding_phase_summary_from_known_runs():
+    """The summary's decoding-phase figures from runs with made-up times: per prompt, (new tokens
+    - 1) / (seconds - first token); then medians over prompts, speedups as medians of per-prompt
+    ratios (the end-to-end speedups' rule), and nothing for a run of a single token."""
+    from selfspec.bench.summary import summarize
+    from selfspec.prompts import Prompt
+
+    prompts = [Prompt("a", "x", "."), Prompt("b", "x", "."), Prompt("c", "y", ".")]
+
+    def runs(*times, tokens=(1, 2, 3, 4, 5)):
+        return [[bench.MethodRun(list(tokens), s, first_token_seconds=f)] for s, f in times]
+
+    all_runs = {
+        "hf_generate": runs((1.0, 0.2), (1.0, 0.6), (2.0, 1.0)),  # decode 5, 10, 4 tok/s
+        "autoregressive": runs((0.5, 0.1), (0.9, 0.5), (1.0, 0.2)),  # decode 10, 10, 5 tok/s
+        "one_token": runs((0.1, 0.1), (0.1, 0.1), (0.1, 0.1), tokens=(1,)),
+    }
+    registry = {name: bench.Method(name, None) for name in all_runs}
+    result = summarize(prompts, [[0]] * 3, list(all_runs), registry, all_runs, {})
+    hf, ar = result["methods"]["hf_generate"], result["methods"]["autoregressive"]
+    assert [p["methods"]["hf_generate"]["decode_tokens_per_second"] for p in result["prompts"]] == (
+        pytest.approx([5.0, 10.0, 4.0])
+    )
+    assert hf["decode_tokens_per_second"] == pytest.approx(5.0)
+    assert hf["time_to_first_token"] == pytest.approx(0.6)
+    assert ar["decode_tokens_per_second"] == pytest.approx(10.0)
+    assert ar["decode_speedup_vs_hf_generate"] == pytest.approx(1.25)  # median of 2, 1, 1.25
+    assert ar["decode_speedup_vs_autoregressive"] == pytest.approx(1.0)
+    assert hf["decode_speedup_vs_autoregressive"] == pytest.approx(0.8)  # median of 0.5, 1, 0.8
+    assert ar["categories"]["x"]["decode_speedup_vs_hf_generate"] == pytest.approx(1.5)
+    assert ar["categories"]["y"]["decode_tokens_per_second"] == pytest.approx(5.0)
+    assert ar["categories"]["y"]["time_to_first_token"] == pytest.approx(0.2)
+    # end to end as before: tokens over all the seconds
+    assert ar["speedup_vs_hf_generate"] == pytest.approx(statistics.median([2.0, 1.0 / 0.9, 2.0]))
+    one = result["methods"]["one_token"]
+    assert one["decode_tokens_per_second"] is None and one["decode_speedup_vs_hf_generate"] is None
+    assert one["time_to_first_token"] == pytest.approx(0.1) and one["tokens_per_second"] == 10.0
+
+
+@pytest.mark.slow
 def test_broken_method_reported_as_not_identical(bench_run):
     result, out, _ = bench_run
     methods = result["methods"]
@@ -98,11 +206,21 @@ def test_broken_method_reported_as_not_identical(bench_run):
     assert set(methods["broken"]["mismatched_prompts"]) == {p["id"] for p in result["prompts"]}
     for cat in methods["broken"]["categories"].values():
         assert cat["identical_to_baseline"] is False
-    for name in ("hf_generate", "autoregressive", "self_speculative", "dual_model", "hf_assisted", "prompt_lookup"):
+    for name in (
+        "hf_generate",
+        "autoregressive",
+        "self_speculative",
+        "dual_model",
+        "hf_assisted",
+        "prompt_lookup",
+    ):
         assert methods[name]["identical_to_baseline"] is True, f"{name} changed the greedy output"
     for row in result["prompts"]:
         assert row["methods"]["broken"]["identical_to_baseline"] is False
-        assert row["methods"]["broken"]["first_difference"]["index"] == row["methods"]["broken"]["new_tokens"] - 1
+        assert (
+            row["methods"]["broken"]["first_difference"]["index"]
+            == row["methods"]["broken"]["new_tokens"] - 1
+        )
     md = (out / "bench.md").read_text()
     assert "| broken |" in md and "**NO**" in md and "broken differs from hf_generate" in md
 
@@ -110,19 +228,43 @@ def test_broken_method_reported_as_not_identical(bench_run):
 @pytest.mark.slow
 def test_cli_bench_json_and_files(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"question_id": 7, "category": "code", "turns": ["def add(a, b):"]}) + "\n")
-    code = main(["bench", "--model", "smollm2-135m", "--skip-attention", "12,14", "--prompts", str(prompts),
-                 "--methods", "autoregressive,self_speculative", "--max-new-tokens", "6", "--no-chat",
-                 "--out", str(tmp_path / "out"), "--json"])
+    prompts.write_text(
+        json.dumps({"question_id": 7, "category": "code", "turns": ["def add(a, b):"]}) + "\n"
+    )
+    code = main(
+        [
+            "bench",
+            "--model",
+            "smollm2-135m",
+            "--skip-attention",
+            "12,14",
+            "--prompts",
+            str(prompts),
+            "--methods",
+            "autoregressive,self_speculative",
+            "--max-new-tokens",
+            "6",
+            "--no-chat",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert list(data["methods"]) == ["hf_generate", "autoregressive", "self_speculative"]
     assert all(m["identical_to_baseline"] is True for m in data["methods"].values())
-    assert data["config"]["chat_template"] is False and data["config"]["prompt_spec"] == str(prompts)
+    assert data["config"]["chat_template"] is False and data["config"]["prompt_spec"] == str(
+        prompts
+    )
     assert data["config"]["plan"]["skip_attention"] == [12, 14]
     assert any("hf_generate added" in note for note in data["notes"])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "acceptance_by_position.png", "bench.json", "bench.md", "speedup_by_category.png"]
+        "acceptance_by_position.png",
+        "bench.json",
+        "bench.md",
+        "speedup_by_category.png",
+    ]
 
 
 def test_cli_rejects_unknown_method(capsys):
@@ -131,7 +273,9 @@ def test_cli_rejects_unknown_method(capsys):
     assert err.startswith("error: unknown method(s) warp_drive")
 
 
-@pytest.mark.parametrize("flag,value", [("--repeats", "0"), ("--limit", "0"), ("--max-new-tokens", "0")])
+@pytest.mark.parametrize(
+    "flag,value", [("--repeats", "0"), ("--limit", "0"), ("--max-new-tokens", "0")]
+)
 def test_cli_rejects_bad_counts(flag, value, capsys):
     assert main(["bench", flag, value]) == 2
     assert capsys.readouterr().err.startswith(f"error: {flag} must be at least 1")
@@ -142,10 +286,18 @@ def test_explicit_dual_model_without_draft_is_an_error(smollm2):
     from selfspec.errors import SelfSpecError
 
     with pytest.raises(SelfSpecError, match="cannot run dual_model: no draft model"):
-        bench.run_bench(smollm2, ["Hello"], ["dual_model"], plan=light_plan(smollm2), explicit=True, progress=False)
+        bench.run_bench(
+            smollm2,
+            ["Hello"],
+            ["dual_model"],
+            plan=light_plan(smollm2),
+            explicit=True,
+            progress=False,
+        )
     # Not asked for by name: skipped with a note instead.
-    result = bench.run_bench(smollm2, ["Hello"], plan=light_plan(smollm2), max_new_tokens=2,
-                             progress=False, chat=False)
+    result = bench.run_bench(
+        smollm2, ["Hello"], plan=light_plan(smollm2), max_new_tokens=2, progress=False, chat=False
+    )
     assert "dual_model" not in result["methods"] and "hf_assisted" not in result["methods"]
     assert any(note.startswith("dual_model skipped") for note in result["notes"])
 
@@ -176,16 +328,32 @@ def test_llama_cpp_method_plumbing(smollm2, tmp_path, monkeypatch):
     import types
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
-    monkeypatch.setattr(bench, "llama_cpp_available", lambda: True)
-    monkeypatch.setattr(bench, "gguf_path_for", lambda name: tmp_path / f"{name}.gguf")
-    result = bench.run_bench(smollm2, ["Hello"], ["hf_generate", "llama_cpp"], max_new_tokens=4, chat=False,
-                             explicit=True, progress=False)
+    monkeypatch.setattr(bench.run, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(bench.methods, "gguf_path_for", lambda name: tmp_path / f"{name}.gguf")
+    result = bench.run_bench(
+        smollm2,
+        ["Hello"],
+        ["hf_generate", "llama_cpp"],
+        max_new_tokens=4,
+        chat=False,
+        explicit=True,
+        progress=False,
+    )
     m = result["methods"]["llama_cpp"]
-    assert m["identical_to_baseline"] == "n/a" and m["categories"]["all"]["identical_to_baseline"] == "n/a"
+    assert (
+        m["identical_to_baseline"] == "n/a"
+        and m["categories"]["all"]["identical_to_baseline"] == "n/a"
+    )
     assert result["prompts"][0]["methods"]["llama_cpp"]["new_tokens"] == 4
-    assert FakeLlama.instances[-1].kwargs["n_threads"] == 2
+    assert (
+        FakeLlama.instances[-1].kwargs["n_threads"]
+        == result["config"]["threads"]
+        == torch.get_num_threads()
+    )
     assert FakeLlama.instances[-1].kwargs["model_path"].endswith("smollm2-135m.gguf")
-    assert "| llama_cpp |" in bench.format_markdown(result) and "| n/a |" in bench.format_markdown(result)
+    assert "| llama_cpp |" in bench.format_markdown(result) and "| n/a |" in bench.format_markdown(
+        result
+    )
 
 
 @pytest.mark.slow
@@ -196,8 +364,16 @@ def test_draft_model_with_another_tokenizer_fails_before_running(smollm2):
         raise AssertionError("a method ran before the draft model was checked")
 
     with pytest.raises(SelfSpecError, match="does not share smollm2-135m's tokenizer"):
-        bench.run_bench(smollm2, ["Hello"], ["dual_model", "early"], draft="qwen2.5-coder-0.5b", max_new_tokens=2,
-                        custom_methods={"early": must_not_run}, explicit=True, progress=False)
+        bench.run_bench(
+            smollm2,
+            ["Hello"],
+            ["dual_model", "early"],
+            draft="qwen2.5-coder-0.5b",
+            max_new_tokens=2,
+            custom_methods={"early": must_not_run},
+            explicit=True,
+            progress=False,
+        )
 
 
 def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
@@ -205,13 +381,26 @@ def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
     report says why instead of flagging an error; in a float32 mode the same result is flagged."""
     from pathlib import Path
 
-    saved = Path(__file__).resolve().parent.parent / "search" / "qwen2.5-coder-1.5b" / "gguf-q8" / "bench" / "bench.json"
+    saved = (
+        Path(__file__).resolve().parent.parent
+        / "search"
+        / "qwen2.5-coder-1.5b"
+        / "gguf-q8"
+        / "bench"
+        / "bench.json"
+    )
     result = json.loads(saved.read_text())
     assert result["config"]["speed_mode"] == "gguf-q8"
     assert result["methods"]["autoregressive"]["identical_to_baseline"] is False
     md = bench.format_markdown(result)
-    assert "no (mode's numerics)" in md and "**NO**" not in md and "differs from hf_generate" not in md
-    assert all(m["identical_to_autoregressive"] for n, m in result["methods"].items() if "identical_to_autoregressive" in m)
+    assert (
+        "no (mode's numerics)" in md and "**NO**" not in md and "differs from hf_generate" not in md
+    )
+    assert all(
+        m["identical_to_autoregressive"]
+        for n, m in result["methods"].items()
+        if "identical_to_autoregressive" in m
+    )
     result["config"]["speed_mode"] = "gguf"
     md = bench.format_markdown(result)
     assert "**NO**" in md and "**autoregressive differs from hf_generate" in md

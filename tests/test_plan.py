@@ -30,16 +30,31 @@ def test_round_trip_and_first_skipped_sublayer(tmp_path):
     assert not list(tmp_path.glob(".p.json.*")), "no temp files left behind"
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(skip_attention=[7]), r"'skip_attention' names layer\(s\) \[7\] but the model has layers 0..3"),
-    (lambda d: d.update(skip_mlp=["x"]), "'skip_mlp' must be a list of layer indices"),
-    (lambda d: d.update(skip_attention=[0, 1, 2, 3], skip_mlp=[0, 1, 2, 3]), "skips every sublayer"),
-    (lambda d: d.update(format_version=99), "unknown plan format_version 99"),
-    (lambda d: d["policy"].update(max_draft_tokens=0), "max_draft_tokens' must be an integer in 1..64"),
-    (lambda d: d["policy"].update(confidence_threshold=1.5), r"confidence_threshold' must be in \[0, 1\)"),
-    (lambda d: d["policy"].update(speed=3), r"unknown field\(s\) \['speed'\]"),
-    (lambda d: d.pop("model"), "'model' must be an object"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda d: d.update(skip_attention=[7]),
+            r"'skip_attention' names layer\(s\) \[7\] but the model has layers 0..3",
+        ),
+        (lambda d: d.update(skip_mlp=["x"]), "'skip_mlp' must be a list of layer indices"),
+        (
+            lambda d: d.update(skip_attention=[0, 1, 2, 3], skip_mlp=[0, 1, 2, 3]),
+            "skips every sublayer",
+        ),
+        (lambda d: d.update(format_version=99), "unknown plan format_version 99"),
+        (
+            lambda d: d["policy"].update(max_draft_tokens=0),
+            "max_draft_tokens' must be an integer in 1..64",
+        ),
+        (
+            lambda d: d["policy"].update(confidence_threshold=1.5),
+            r"confidence_threshold' must be in \[0, 1\)",
+        ),
+        (lambda d: d["policy"].update(speed=3), r"unknown field\(s\) \['speed'\]"),
+        (lambda d: d.pop("model"), "'model' must be an object"),
+    ],
+)
 def test_invalid_plans_are_explained(tmp_path, mutate, message):
     data = valid()
     mutate(data)

@@ -3,20 +3,20 @@
 for bit, the 8-bit-activation kernel computes its documented formula, and decoding in either mode is
 lossless with respect to plain decoding in that mode."""
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
+from test_engine import PROMPTS, plans_for
 
 from selfspec import quantized
 from selfspec.errors import SelfSpecError
-from selfspec.speed import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
+from selfspec.kernels import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
 
-from test_engine import PROMPTS, plans_for
-
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built here")
+needs_kernel = pytest.mark.skipif(
+    not kernel_available(), reason="the CPU kernel cannot be built here"
+)
 
 # type -> (weights per block, bytes per block, byte offsets of its float16 fields)
 BLOCKS = {
@@ -35,20 +35,26 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
     blocks = rng.integers(0, 256, size=(rows * columns // per_block, block_bytes), dtype=np.uint8)
     for at in f16_fields:
         scales = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+        blocks[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
 @needs_kernel
 @pytest.mark.parametrize("type_name", sorted(BLOCKS))
 @pytest.mark.parametrize("rows,columns", [(64, 512), (192, 1536)])
-def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(type_name, rows, columns):
+def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(
+    type_name, rows, columns
+):
     raw = random_blocks(type_name, rows, columns, seed=rows + len(type_name))
-    reference = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy())
+    reference = torch.from_numpy(
+        dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
+    )
     decoded = quantized.decode(raw, type_name, rows)
     wq = quantized.pack(decoded)
     kernel = load_kernel()
-    assert torch.equal(kernel.dequantize_panels(wq, decoded.format, decoded.group, columns), pack_weight(reference))
+    assert torch.equal(
+        kernel.dequantize_panels(wq, decoded.format, decoded.group, columns), pack_weight(reference)
+    )
     packed = pack_weight(reference)
     bias = torch.randn(rows)
     x = torch.randn(KERNEL_MAX_ROWS, columns)
@@ -56,7 +62,9 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(typ
         got = kernel.quant_linear(x[:m], wq, decoded.format, decoded.group, bias)
         assert torch.equal(got, kernel.packed_linear(x[:m], packed, bias)), (type_name, m)
         # rows do not depend on each other: a verify pass gives each token a one-token pass's result
-        assert torch.equal(got[m - 1:], kernel.quant_linear(x[m - 1:m], wq, decoded.format, decoded.group, bias))
+        assert torch.equal(
+            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], wq, decoded.format, decoded.group, bias)
+        )
 
 
 def eight_bit_activations(x: torch.Tensor) -> torch.Tensor:
@@ -86,13 +94,20 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     x[3, 64:96] = 0  # an all-zero block
     for m in (1, 2, 3, 5, 6, 7, 12, 13, 25, 100):
         got = kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, False)
-        assert torch.equal(got, kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, True)), m
-        assert torch.equal(got[m - 1:], kernel.q8_linear(x[m - 1:m], wq, decoded.format, decoded.group, bias, False))
+        assert torch.equal(
+            got, kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, True)
+        ), m
+        assert torch.equal(
+            got[m - 1 :],
+            kernel.q8_linear(x[m - 1 : m], wq, decoded.format, decoded.group, bias, False),
+        )
         expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
         assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m
     # a prefix of the panels (the draft head's vocabulary) is the prefix of the outputs
-    assert torch.equal(kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
-                       kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64])
+    assert torch.equal(
+        kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
+        kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64],
+    )
 
 
 def test_q8_mode_needs_vnni(monkeypatch):
@@ -109,7 +124,9 @@ def test_q8_mode_needs_vnni(monkeypatch):
 
 
 def test_unsupported_quantization_type_is_a_clear_error():
-    with pytest.raises(SelfSpecError, match="reads Q4_K, Q4_1, Q6_K, Q8_0, Q5_0 weights; this file has IQ2_XS"):
+    with pytest.raises(
+        SelfSpecError, match="reads Q4_K, Q4_1, Q6_K, Q8_0, Q5_0 weights; this file has IQ2_XS"
+    ):
         quantized.decode(np.zeros((64, 66), np.uint8), "IQ2_XS", 64)
 
 
@@ -126,7 +143,9 @@ def test_tensor_index_agrees_with_gguf_reader(smollm2):
     for tensor in theirs:
         mine = ours[tensor.name]
         assert mine.type_name == tensor.tensor_type.name
-        assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+        assert np.array_equal(
+            mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1)
+        )
 
 
 @pytest.mark.slow
@@ -165,7 +184,11 @@ def qwen05_gguf():
 def test_gguf_mode_holds_every_weight_exactly(qwen05, qwen05_gguf):
     """Every weight of every quantized layer equals the float32 model's (the load checks a sample)."""
     reference = dict(qwen05.loaded.model.named_modules())
-    layers = [(name, m) for name, m in qwen05_gguf.loaded.model.named_modules() if isinstance(m, quantized.QuantLinear)]
+    layers = [
+        (name, m)
+        for name, m in qwen05_gguf.loaded.model.named_modules()
+        if isinstance(m, quantized.QuantLinear)
+    ]
     assert len(layers) == 7 * 24 + 1
     assert {m.type_name for _, m in layers} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
     for name, layer in layers:
@@ -179,7 +202,9 @@ def test_gguf_mode_gives_packed_logits_bit_for_bit(qwen05_packed, qwen05_gguf):
     for prompt in (PROMPTS[0], long_prompt):
         ids = torch.tensor([qwen05_gguf.encode(prompt, chat=True)])
         with torch.inference_mode():
-            assert torch.equal(qwen05_gguf.loaded.model(ids).logits, qwen05_packed.loaded.model(ids).logits)
+            assert torch.equal(
+                qwen05_gguf.loaded.model(ids).logits, qwen05_packed.loaded.model(ids).logits
+            )
 
 
 @needs_kernel
@@ -192,13 +217,14 @@ def test_gguf_mode_speculation_is_lossless(qwen05_packed, qwen05_gguf):
         assert plain.token_ids == qwen05_packed.generate(ids, None, max_new_tokens=24).token_ids
         for name, plan in plans_for(engine).items():
             result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
-            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf mode"
+            assert result.token_ids == plain.token_ids, (
+                f"plan {name} changed the output in gguf mode"
+            )
 
 
 @pytest.fixture(scope="session")
 def qwen05_q8():
     from selfspec.engine import Engine
-    from selfspec.speed import load_kernel
 
     if not kernel_available() or not load_kernel().q8_vectorized():
         pytest.skip("speed mode gguf-q8 needs AVX-512 VNNI")
@@ -220,23 +246,29 @@ def test_q8_mode_is_close_to_the_float32_model_and_speculation_is_lossless(qwen0
     runner.forward(ids[0, :start], 0, last_logits_only=True)
     together = runner.forward(ids[0, start:], start)[0].reshape(6, -1)
     for i in range(6):
-        assert torch.equal(together[i], runner.forward(ids[0, start + i:start + i + 1], start + i)[0].reshape(-1))
+        assert torch.equal(
+            together[i], runner.forward(ids[0, start + i : start + i + 1], start + i)[0].reshape(-1)
+        )
     for prompt in PROMPTS:
         ids = engine.encode(prompt, chat=True)
         plain = engine.generate(ids, None, max_new_tokens=24)
-        assert plain.to_dict()["speed_mode"] == "gguf-q8" and "8 bits" in plain.to_dict()["numerics"]
+        assert (
+            plain.to_dict()["speed_mode"] == "gguf-q8" and "8 bits" in plain.to_dict()["numerics"]
+        )
         for name, plan in plans_for(engine).items():
             result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
-            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in gguf-q8 mode"
+            assert result.token_ids == plain.token_ids, (
+                f"plan {name} changed the output in gguf-q8 mode"
+            )
 
 
 def test_gguf_modes_have_their_own_default_plans():
     """Their costs differ from packed's, so each was searched separately; other modes keep theirs."""
-    from selfspec.engine import default_plan_path
+    from selfspec.paths import packaged_plan
     from selfspec.plan import load_plan
 
     for mode in ("gguf", "gguf-q8"):
-        path = default_plan_path("qwen2.5-coder-1.5b", mode)
-        assert path.parent.name == mode and path.is_file()
-        assert load_plan(path).provenance["speed_mode"] == mode
-    assert default_plan_path("qwen2.5-coder-1.5b", "packed") == default_plan_path("qwen2.5-coder-1.5b")
+        plan = packaged_plan("qwen2.5-coder-1.5b", mode)
+        assert plan.parent.name == mode and plan.is_file()
+        assert load_plan(plan).provenance["speed_mode"] == mode
+    assert packaged_plan("qwen2.5-coder-1.5b", "packed") == packaged_plan("qwen2.5-coder-1.5b")

@@ -89,12 +89,21 @@ def exact_second_token_marginal(engine, prompt, sampling):
 
 
 def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):
-    config = engine.decode_config(plan, max_new_tokens=3, sampling=sampling, confidence_threshold=0.0,
-                                  adaptive_threshold=False, fallback=False, max_draft_tokens=2)
+    config = engine.decode_config(
+        plan,
+        max_new_tokens=3,
+        sampling=sampling,
+        confidence_threshold=0.0,
+        adaptive_threshold=False,
+        fallback=False,
+        max_draft_tokens=2,
+    )
     config.eos_token_ids = ()
     drafter = engine.self_drafter(plan)
     if draft_vocab:
-        drafter.draft_vocab = draft_vocab  # plans ask for multiples of 64; this model has only 64 tokens
+        drafter.draft_vocab = (
+            draft_vocab  # plans ask for multiples of 64; this model has only 64 tokens
+        )
     counts = torch.zeros(64)
     for seed in range(n):
         config.seed = seed

@@ -6,9 +6,11 @@ import json
 import pytest
 
 from selfspec.errors import SelfSpecError
-from selfspec.search import (
-    CostModel, SimResult, _non_decreasing, params_for, plan_args, redact, search_plan, simulate,
-)
+from selfspec.search import search_plan
+from selfspec.search.costs import CostModel, non_decreasing
+from selfspec.search.simulate import SimResult, simulate
+from selfspec.search.space import params_for, plan_args
+from selfspec.search.storage import redact
 
 # ----------------------------------------------------------------------------- the simulation
 
@@ -18,12 +20,21 @@ def flat_verify(calls=None, seconds=1.0):
         if calls is not None:
             calls.append((rows, tail))
         return seconds
+
     return verify
 
 
 def run_sim(agree, conf, max_draft=4, threshold=0.0, adaptive=False, draft=0.1, calls=None):
-    return simulate(agree, conf, max_draft=max_draft, threshold=threshold, adaptive=adaptive,
-                    draft_step_cost=draft, verify_cost=flat_verify(calls), plain_step_cost=1.0)
+    return simulate(
+        agree,
+        conf,
+        max_draft=max_draft,
+        threshold=threshold,
+        adaptive=adaptive,
+        draft_step_cost=draft,
+        verify_cost=flat_verify(calls),
+        plain_step_cost=1.0,
+    )
 
 
 def test_all_agree_gives_max_draft_plus_one_tokens_per_round():
@@ -44,7 +55,9 @@ def test_first_disagreement_ends_acceptance():
     # round 1 from c_0 drafts 4, accepts 2 (row 2 disagrees) -> 3 tokens; round 2 has room 2: 1 draft, accepted
     r = run_sim([True, True, False, True, True], [1.0] * 5, max_draft=4)
     assert (r.rounds, r.drafted, r.accepted, r.tokens) == (2, 5, 3, 5)
-    assert r.acceptance_rate == pytest.approx(3 / 5) and r.mean_accepted_length == pytest.approx(2.5)
+    assert r.acceptance_rate == pytest.approx(3 / 5) and r.mean_accepted_length == pytest.approx(
+        2.5
+    )
     none = run_sim([False] * 10, [1.0] * 10, max_draft=3)
     assert none.accepted == 0 and none.tokens == none.rounds == 10
 
@@ -79,13 +92,6 @@ def test_adaptive_threshold_rises_after_rejections():
     assert adaptive.accepted == fixed.accepted == 0
 
 
-def test_target_acceptance_matches_the_decode_loop():
-    from selfspec.decode import DecodeConfig
-    from selfspec.search import TARGET_ACCEPTANCE
-
-    assert DecodeConfig().target_acceptance == TARGET_ACCEPTANCE
-
-
 def test_sim_results_add_up():
     a = SimResult(3, 1, 2, 2, 2, 1.5, 3.0)
     b = SimResult(1, 1, 0, 0, 1, 1.1, 1.0)
@@ -94,8 +100,16 @@ def test_sim_results_add_up():
 
 
 def test_cost_model():
-    costs = CostModel(full_step=1.0, base_step=0.1, attention=0.2, mlp=0.25, num_layers=2,
-                      verify_sizes=[1, 2, 4], verify=[1.0, 1.2, 1.6], verify_base=[0.1, 0.1, 0.2])
+    costs = CostModel(
+        full_step=1.0,
+        base_step=0.1,
+        attention=0.2,
+        mlp=0.25,
+        num_layers=2,
+        verify_sizes=[1, 2, 4],
+        verify=[1.0, 1.2, 1.6],
+        verify_base=[0.1, 0.1, 0.2],
+    )
     assert costs.draft_step(2, 2) == pytest.approx(1.0)
     assert costs.draft_step(1, 2) == pytest.approx(0.8)
     assert costs.verify_cost(3, 1) == pytest.approx(1.4)  # interpolated
@@ -110,14 +124,18 @@ def test_cost_model():
 
 
 def test_helpers():
-    assert _non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
     assert redact("postgresql://me:secret@db/optuna") == "postgresql://me:***@db/optuna"
     assert redact("sqlite:///a/b.db") == "sqlite:///a/b.db"
     params = params_for(4, [1, 3], [2], max_draft=20, threshold=0.33, adaptive=False)
     sa, sm, policy = plan_args(params, 4)
     assert (sa, sm) == ([1, 3], [2])
-    assert policy == {"max_draft_tokens": 10, "confidence_threshold": 0.35, "adaptive_threshold": False,
-                      "draft_vocab": None}
+    assert policy == {
+        "max_draft_tokens": 10,
+        "confidence_threshold": 0.35,
+        "adaptive_threshold": False,
+        "draft_vocab": None,
+    }
     assert plan_args(params_for(4, draft_vocab=32768), 4)[2]["draft_vocab"] == 32768
 
 
@@ -131,14 +149,31 @@ def cli(argv, capsys):
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("url, message", [
-    ("bogus://nowhere", "cannot open Optuna storage 'bogus://nowhere'"),
-    ("not a url", "is not a storage URL"),
-    ("sqlite:////no/such/folder/study.db", "folder /no/such/folder does not exist"),
-    ("postgresql://me:secret@127.0.0.1:1/optuna", "cannot open Optuna storage 'postgresql://me:***@127.0.0.1:1/optuna'"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("bogus://nowhere", "cannot open Optuna storage 'bogus://nowhere'"),
+        ("not a url", "is not a storage URL"),
+        ("sqlite:////no/such/folder/study.db", "folder /no/such/folder does not exist"),
+        (
+            "postgresql://me:secret@127.0.0.1:1/optuna",
+            "cannot open Optuna storage 'postgresql://me:***@127.0.0.1:1/optuna'",
+        ),
+    ],
+)
 def test_bad_storage_url_is_a_clear_error(url, message, tmp_path, capsys):
-    code, err = cli(["search", "--model", "smollm2-135m", "--storage", url, "--out", str(tmp_path / "plan.json")], capsys)
+    code, err = cli(
+        [
+            "search",
+            "--model",
+            "smollm2-135m",
+            "--storage",
+            url,
+            "--out",
+            str(tmp_path / "plan.json"),
+        ],
+        capsys,
+    )
     assert code == 2
     assert err.startswith("error: ") and message in err
     assert "secret" not in err and "Traceback" not in err
@@ -146,24 +181,32 @@ def test_bad_storage_url_is_a_clear_error(url, message, tmp_path, capsys):
 
 def test_bad_storage_url_from_the_api(tiny_llama, tmp_path):
     with pytest.raises(SelfSpecError, match="cannot open Optuna storage 'bogus://x'"):
-        search_plan(tiny_llama, ["t1 t2 t3"], storage="bogus://x", out=tmp_path / "plan.json", log=None)
+        search_plan(
+            tiny_llama, ["t1 t2 t3"], storage="bogus://x", out=tmp_path / "plan.json", log=None
+        )
 
 
 def test_empty_prompts_file(tmp_path, capsys):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
-    code, err = cli(["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys)
+    code, err = cli(
+        ["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys
+    )
     assert code == 2 and f"prompts file {path} holds no prompts" in err
 
 
 def test_prompts_file_of_the_wrong_shape(tmp_path, capsys):
     path = tmp_path / "wrong.jsonl"
     path.write_text(json.dumps({"question": "What is 2+2?"}) + "\n")
-    code, err = cli(["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys)
+    code, err = cli(
+        ["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys
+    )
     assert code == 2
     assert "line 1: no prompt found" in err and "'turns'" in err and "'prompt'" in err
     path.write_text("[1, 2]\n")
-    code, err = cli(["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys)
+    code, err = cli(
+        ["search", "--prompts", str(path), "--out", str(tmp_path / "plan.json")], capsys
+    )
     assert code == 2 and "expected a JSON object with 'turns' or 'prompt'" in err
 
 
@@ -176,7 +219,11 @@ def test_bad_numbers(tmp_path, capsys):
 
 # ------------------------------------------------------------------- studies on a tiny model
 
-TINY_PROMPTS = ["t5 t9 t11 t3 t7 t8 t20 t31 t4", "t40 t41 t42 t43 t44 t45", "t12 t13 t60 t61 t30 t9 t9 t10"]
+TINY_PROMPTS = [
+    "t5 t9 t11 t3 t7 t8 t20 t31 t4",
+    "t40 t41 t42 t43 t44 t45",
+    "t12 t13 t60 t61 t30 t9 t9 t10",
+]
 
 
 def tiny_search(engine, tmp_path, **kwargs):
@@ -243,7 +290,9 @@ def test_out_holding_another_models_plan_is_refused(tiny_llama, tmp_path):
 def test_current_plan_is_a_warm_start(tiny_llama, tmp_path):
     plan = tiny_llama.make_plan([2], [1])
     plan.save(tmp_path / "plan.json")
-    result = tiny_search(tiny_llama, tmp_path, trials=2)  # the plan may be pruned; trial 1 skips nothing
+    result = tiny_search(
+        tiny_llama, tmp_path, trials=2
+    )  # the plan may be pruned; trial 1 skips nothing
     first = study_trials(tmp_path, result.study_name)[0]
     assert plan_args(first.params, 4)[:2] == ([2], [1])
 
@@ -257,7 +306,8 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
     the real draft and the replay must match real decoding round for round."""
     from selfspec.plan import DraftPolicy
     from selfspec.prompts import load_prompts
-    from selfspec.search import CalibrationItem, SpeedModel
+    from selfspec.search.calibration import CalibrationItem
+    from selfspec.search.speedmodel import SpeedModel
 
     engine = smollm2
     L = engine.identity.num_layers
@@ -269,20 +319,35 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
     model = SpeedModel(engine, [CalibrationItem("0", "coding", ids, plain.token_ids)], costs)
     agree, _ = model.draft_predictions(0, [], [])
     assert all(agree)  # nothing skipped: the draft is the model
-    for policy in (DraftPolicy(4, 0.0, False), DraftPolicy(7, 0.0, False), DraftPolicy(5, 0.6, True)):
+    for policy in (
+        DraftPolicy(4, 0.0, False),
+        DraftPolicy(7, 0.0, False),
+        DraftPolicy(5, 0.6, True),
+    ):
         plan = engine.make_plan([L - 1], [L - 1], policy)
-        ev = model.evaluate(plan.skip_attention, plan.skip_mlp, policy.max_draft_tokens,
-                            policy.confidence_threshold, policy.adaptive_threshold)
+        ev = model.evaluate(
+            plan.skip_attention,
+            plan.skip_mlp,
+            policy.max_draft_tokens,
+            policy.confidence_threshold,
+            policy.adaptive_threshold,
+        )
         config = engine.decode_config(plan, max_new_tokens=tokens, fallback=False)
         real = engine.generate(ids, engine.self_drafter(plan), config=config)
         assert real.token_ids == plain.token_ids
         s = real.stats
         if policy.confidence_threshold == 0 and not policy.adaptive_threshold:
-            assert (ev.sim.rounds, ev.sim.drafted, ev.sim.accepted) == (s.target_passes, s.drafted, s.accepted)
+            assert (ev.sim.rounds, ev.sim.drafted, ev.sim.accepted) == (
+                s.target_passes,
+                s.drafted,
+                s.accepted,
+            )
         else:
             # After a rejected draft token the real draft continues from its own token, whose confidence the
             # teacher-forced pass cannot know: with a threshold the replay is close, not exact.
-            assert abs(ev.sim.rounds - s.target_passes) <= 2 and abs(ev.sim.drafted - s.drafted) <= 3
+            assert (
+                abs(ev.sim.rounds - s.target_passes) <= 2 and abs(ev.sim.drafted - s.drafted) <= 3
+            )
 
 
 @pytest.mark.slow
@@ -291,14 +356,36 @@ def test_short_search_writes_a_valid_lossless_plan(smollm2, tmp_path):
     from selfspec.prompts import load_prompts
 
     out = tmp_path / "smol" / "plan.json"
-    result = search_plan(smollm2, "spec-bench:coding", limit=1, trials=4, tokens=16, out=out, confirm=1,
-                         cost_repeats=2, seed=1, log=None, progress=False, how="pytest")
+    result = search_plan(
+        smollm2,
+        "spec-bench:coding",
+        limit=1,
+        trials=4,
+        tokens=16,
+        out=out,
+        confirm=1,
+        cost_repeats=2,
+        seed=1,
+        log=None,
+        progress=False,
+        how="pytest",
+    )
     assert result.plan_path == out and result.trials == 4
     plan = load_plan(out)
     assert plan.to_dict() == result.plan.to_dict()
     prov = plan.provenance
-    for key in ("how", "date", "device", "dtype", "trials", "predicted_speedup", "measured_speedup",
-                "mean_accepted_length", "acceptance_rate", "prompts"):
+    for key in (
+        "how",
+        "date",
+        "device",
+        "dtype",
+        "trials",
+        "predicted_speedup",
+        "measured_speedup",
+        "mean_accepted_length",
+        "acceptance_rate",
+        "prompts",
+    ):
         assert key in prov, key
     assert prov["trials"] == 4 and prov["dtype"] == "float32" and prov["how"] == "pytest"
     assert prov["measured_speedup"] is not None and prov["measured_speedup"] > 0

@@ -4,20 +4,24 @@ on each other, and speculation in packed mode is lossless against plain decoding
 import pytest
 import torch
 import torch.nn.functional as F
-
-from selfspec.errors import SelfSpecError
-from selfspec.speed import KERNEL_MAX_ROWS, PackedLinear, kernel_available, load_kernel, pack_weight, resolve_speed_mode
-
 from test_engine import PROMPTS, hf_greedy, plans_for
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the packed CPU kernel cannot be built here")
+from selfspec.errors import SelfSpecError
+from selfspec.kernels import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
+from selfspec.speed import PackedLinear, resolve_speed_mode
+
+needs_kernel = pytest.mark.skipif(
+    not kernel_available(), reason="the packed CPU kernel cannot be built here"
+)
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features", [(64, 16), (192, 576), (256, 1536), (1536, 8960)])
+@pytest.mark.parametrize(
+    "out_features,in_features", [(64, 16), (192, 576), (256, 1536), (1536, 8960)]
+)
 def test_kernel_matches_f_linear(out_features, in_features):
     torch.manual_seed(out_features)
-    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    weight = torch.randn(out_features, in_features) / in_features**0.5
     bias = torch.randn(out_features)
     layer = torch.nn.Linear(in_features, out_features)
     layer.weight.data.copy_(weight)
@@ -30,7 +34,9 @@ def test_kernel_matches_f_linear(out_features, in_features):
     no_bias = torch.nn.Linear(in_features, out_features, bias=False)
     no_bias.weight.data.copy_(weight)
     x = torch.randn(4, in_features)
-    torch.testing.assert_close(PackedLinear(no_bias, load_kernel())(x), F.linear(x, weight), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        PackedLinear(no_bias, load_kernel())(x), F.linear(x, weight), atol=2e-4, rtol=1e-4
+    )
 
 
 @needs_kernel
@@ -41,7 +47,9 @@ def test_kernel_rows_are_independent_of_each_other():
     weight = torch.randn(8960 // 4, 1536)
     packed = pack_weight(weight)
     x = torch.randn(KERNEL_MAX_ROWS, 1536)
-    singles = torch.cat([kernel.packed_linear(x[r:r + 1], packed, None) for r in range(KERNEL_MAX_ROWS)])
+    singles = torch.cat(
+        [kernel.packed_linear(x[r : r + 1], packed, None) for r in range(KERNEL_MAX_ROWS)]
+    )
     for rows in (2, 3, 4, 7, 8, 9, 16, KERNEL_MAX_ROWS):
         assert torch.equal(kernel.packed_linear(x[:rows], packed, None), singles[:rows]), rows
 
@@ -61,7 +69,9 @@ def test_stats_name_the_numerics_of_cuda_and_precision_modes():
     from selfspec.speed import numerics_note
 
     assert numerics_note("packed", "cpu") is None and numerics_note("torch", "cpu") is None
-    assert "static cache" in numerics_note("torch", "cuda") and "static cache" in numerics_note("cuda-graphs", "cuda")
+    assert "static cache" in numerics_note("torch", "cuda") and "static cache" in numerics_note(
+        "cuda-graphs", "cuda"
+    )
     assert "8 bits" in numerics_note("gguf-q8", "cpu")
 
 
@@ -74,7 +84,10 @@ def test_packed_logits_match_transformers(smollm2, smollm2_packed):
         packed = smollm2_packed.loaded.model(ids).logits
     torch.testing.assert_close(packed, reference, atol=2e-3, rtol=1e-3)
     assert not any(isinstance(m, PackedLinear) for m in smollm2.loaded.model.modules())
-    assert sum(isinstance(m, PackedLinear) for m in smollm2_packed.loaded.model.modules()) == 7 * 30 + 1
+    assert (
+        sum(isinstance(m, PackedLinear) for m in smollm2_packed.loaded.model.modules())
+        == 7 * 30 + 1
+    )
 
 
 @needs_kernel
@@ -90,13 +103,16 @@ def test_packed_mode_speculation_is_lossless(model_fixture, request):
         assert plain.token_ids == hf_greedy(engine, ids, 24)
         for name, plan in plans_for(engine).items():
             result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
-            assert result.token_ids == plain.token_ids, f"plan {name} changed the output in packed mode"
+            assert result.token_ids == plain.token_ids, (
+                f"plan {name} changed the output in packed mode"
+            )
 
 
 @needs_kernel
 @pytest.mark.slow
 def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
-    from selfspec.bench import Method, _hf_generate, run_bench
+    from selfspec.bench import Method, run_bench
+    from selfspec.bench.methods import _hf_generate
 
     seen = []
 
@@ -105,9 +121,14 @@ def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
         return _hf_generate(ctx, prompt_ids)
 
     result = run_bench(
-        smollm2_packed, PROMPTS[:1], ["hf_generate", "autoregressive", "self_speculative", "hf_checked"],
-        plan=plans_for(smollm2_packed)["light"], max_new_tokens=8, progress=False,
-        custom_methods={"hf_checked": Method("hf_checked", hf_checked, transformers=True)})
+        smollm2_packed,
+        PROMPTS[:1],
+        ["hf_generate", "autoregressive", "self_speculative", "hf_checked"],
+        plan=plans_for(smollm2_packed)["light"],
+        max_new_tokens=8,
+        progress=False,
+        custom_methods={"hf_checked": Method("hf_checked", hf_checked, transformers=True)},
+    )
     assert seen and not any(seen)
     assert result["config"]["speed_mode"] == "packed"
     assert result["methods"]["self_speculative"]["identical_to_autoregressive"] is True
@@ -128,26 +149,35 @@ def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
     float_mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
     for mask in (allowed, float_mask):
         got = kernel.attention_rows(q, k, v, mask, 0.125, causal)
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True
+        )
         assert torch.allclose(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
         for i in range(5):
-            row = kernel.attention_rows(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.125, causal)
-            assert torch.equal(row, got[:, i:i + 1])
+            row = kernel.attention_rows(
+                q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], 0.125, causal
+            )
+            assert torch.equal(row, got[:, i : i + 1])
     # keys and values as the runner's cache hands them out (views of longer buffers), queries transposed:
     # read in place, same bits
     buffers = [torch.cat([t, torch.randn(2, 2, 11, 64, generator=gen)], dim=2) for t in (k, v)]
     k_view, v_view = (b[:, :, :37] for b in buffers)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not k_view.is_contiguous() and not q_view.is_contiguous()
-    assert torch.equal(kernel.attention_rows(q_view, k_view, v_view, allowed, 0.125, causal),
-                       kernel.attention_rows(q, k, v, allowed, 0.125, causal))
+    assert torch.equal(
+        kernel.attention_rows(q_view, k_view, v_view, allowed, 0.125, causal),
+        kernel.attention_rows(q, k, v, allowed, 0.125, causal),
+    )
     # no mask: causal from key 0 over several rows (prefill), every key for a single row
     got = kernel.attention_rows(q, k[:, :, :5], v[:, :, :5], None, 0.125, causal)
-    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=causal, scale=0.125,
-                                                            enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :5], v[:, :, :5], is_causal=causal, scale=0.125, enable_gqa=True
+    )
     assert torch.allclose(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
     single = kernel.attention_rows(q[:, :, :1], k, v, None, 0.125, causal)
-    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.125, enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, :1], k, v, scale=0.125, enable_gqa=True
+    )
     assert torch.allclose(single, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
@@ -156,7 +186,7 @@ def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
 def test_a_verify_pass_gives_each_row_the_bits_of_one_token_passes(qwen05_packed):
     """The property greedy losslessness rests on, for a whole model in a kernel mode: scoring k+1
     tokens in one pass gives each of them exactly the logits of k+1 one-token passes."""
-    from selfspec.speed import ROW_ATTENTION
+    from selfspec.kernels import ROW_ATTENTION
 
     engine = qwen05_packed
     assert engine.loaded.model.config._attn_implementation == ROW_ATTENTION
@@ -167,5 +197,5 @@ def test_a_verify_pass_gives_each_row_the_bits_of_one_token_passes(qwen05_packed
     runner.forward(ids[:start], 0, last_logits_only=True)
     together = runner.forward(ids[start:], start)[0].reshape(6, -1)
     for i in range(6):
-        alone = runner.forward(ids[start + i:start + i + 1], start + i)[0].reshape(-1)
+        alone = runner.forward(ids[start + i : start + i + 1], start + i)[0].reshape(-1)
         assert torch.equal(together[i], alone), i

@@ -29,6 +29,7 @@ def _ids(count, seed, high=30000):
 def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
     loaded = smollm2_packed.loaded
     plain, static = ModelRunner(loaded), StaticRunner(loaded, graphs=False)
+    plain.adapter.fused = None  # both call the model's modules (the static runner never fuses)
     prompt, new = _ids(37, 0), _ids(2 * PASS_ROWS + 8, 1)
     outputs = []
     for runner in (plain, static):
@@ -36,7 +37,9 @@ def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
         out = [runner.forward(prompt, 0, last_logits_only=True)[0]]
         out += [runner.forward(new[:n], 37)[0] for n in (1, 3, PASS_ROWS, PASS_ROWS + 4, len(new))]
         # a draft step (sublayers skipped, hidden state captured), then a verify pass resuming from it
-        logits, hidden = runner.forward(new[:1], 37, frozenset({3, 5}), frozenset({4}), capture_at=6)
+        logits, hidden = runner.forward(
+            new[:1], 37, frozenset({3, 5}), frozenset({4}), capture_at=6
+        )
         out += [logits, hidden]
         out.append(runner.forward(new[:1], 37, resume=_resume(hidden))[0])
         outputs.append(out)
@@ -59,7 +62,9 @@ def test_speculation_on_static_passes_is_identical_to_plain_decoding(smollm2_pac
     engine.runner = StaticRunner(engine.loaded, graphs=False)
     try:
         prompt = engine.encode("def quicksort(items):", chat=False)
-        config = engine.decode_config(None, max_new_tokens=40, confidence_threshold=0.0, fallback=False)
+        config = engine.decode_config(
+            None, max_new_tokens=40, confidence_threshold=0.0, fallback=False
+        )
         plain, _ = generate_ids(engine.runner, prompt, config)
         for plan in plans_for(engine).values():
             drafter = engine.self_drafter(plan)
@@ -74,7 +79,9 @@ def test_speculation_on_static_passes_is_identical_to_plain_decoding(smollm2_pac
 # ---------------------------------------------------------------------------------- CUDA
 
 
-def _random_engine(layers: int, vocab: int = 151936, hidden: int = 1536, speed: str = "cuda-graphs"):
+def _random_engine(
+    layers: int, vocab: int = 151936, hidden: int = 1536, speed: str = "cuda-graphs"
+):
     """A randomly initialised Qwen2 of the 1.5B's widths on CUDA, in bfloat16."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -84,16 +91,28 @@ def _random_engine(layers: int, vocab: int = 151936, hidden: int = 1536, speed: 
     from selfspec.speed import apply_speed_mode
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=8960 * hidden // 1536,
-                         num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=2,
-                         max_position_embeddings=4096, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=8960 * hidden // 1536,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval()
     apply_speed_mode(model, speed)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0")),
-        unk_token="t0")
-    return Engine(LoadedModel(f"random-qwen2-{layers}l", model, tokenizer, path="<memory>", speed=speed))
+        tokenizer_object=Tokenizer(
+            models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0")
+        ),
+        unk_token="t0",
+    )
+    return Engine(
+        LoadedModel(f"random-qwen2-{layers}l", model, tokenizer, path="<memory>", speed=speed)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +134,9 @@ def test_cuda_runner_is_static_and_graphs_match_eager_passes(random_cuda):
         out = [runner.forward(prompt, 0, last_logits_only=True)[0]]
         for _ in range(2):  # the second time replays the graphs captured the first time
             out += [runner.forward(new[:n], 50)[0] for n in (1, 4, len(new))]
-            logits, hidden = runner.forward(new[:1], 50, frozenset({2}), frozenset({3}), capture_at=4, vocab=4096)
+            logits, hidden = runner.forward(
+                new[:1], 50, frozenset({2}), frozenset({3}), capture_at=4, vocab=4096
+            )
             out += [logits, hidden]
         results.append(out)
     for a, b in zip(*results):
@@ -130,7 +151,7 @@ def test_cuda_rows_do_not_depend_on_the_rest_of_the_pass(random_cuda):
     runner.forward(prompt, 0, last_logits_only=True)
     whole, _ = runner.forward(new, 64)
     for j in range(PASS_ROWS):  # row j alone, after one-token passes wrote the rows before it
-        single, _ = runner.forward(new[j:j + 1], 64 + j)
+        single, _ = runner.forward(new[j : j + 1], 64 + j)
         assert torch.equal(single[0], whole[j]), j
 
 
@@ -177,5 +198,7 @@ def test_cuda_compiled_speculation_is_identical_to_plain_decoding():
     config.eos_token_ids = ()
     prompt = [int(t) for t in _ids(40, 8, high=150000)]
     plain, _ = generate_ids(engine.runner, prompt, config)
-    ids, stats = generate_ids(engine.runner, prompt, config, engine.self_drafter(engine.make_plan(skip_attention={1})))
+    ids, stats = generate_ids(
+        engine.runner, prompt, config, engine.self_drafter(engine.make_plan(skip_attention={1}))
+    )
     assert ids == plain and stats.drafted > 0

@@ -1,0 +1,237 @@
+"""The benchmarked methods: each runs one greedy generation and reports its tokens and times.
+
+selfspec's own (autoregressive, self_speculative, dual_model) run through the Engine; transformers'
+(hf_generate, hf_assisted, prompt_lookup) on the model exactly as transformers builds it;
+llama_cpp (plain decoding of the same .gguf) through llama-cpp-python when it is installed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from selfspec.decode import DecodeStats
+    from selfspec.drafters import Drafter
+    from selfspec.engine import Engine
+    from selfspec.models import LoadedModel
+    from selfspec.plan import SkipPlan
+
+BASELINE = "hf_generate"  # every speedup and identity check refers to it
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class MethodRun:
+    """One generation: the new token ids (EOS included when it stopped there), its wall time and
+    the time to its first new token (prefill)."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: DecodeStats | None = None  # selfspec's own methods
+    first_token_seconds: float | None = None
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first per second after the first: the decoding phase on its own."""
+        if self.first_token_seconds is None or len(self.token_ids) < 2:
+            return None
+        decode = self.seconds - self.first_token_seconds
+        return (len(self.token_ids) - 1) / decode if decode > 0 else None
+
+
+@dataclass
+class BenchContext:
+    """What methods need: the engine, the plan, the draft model and the stopping rule."""
+
+    engine: Engine
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    plan: SkipPlan | None = None
+    draft: LoadedModel | None = None
+    # The same models exactly as transformers builds them, for transformers' own methods
+    # (the engine's and draft's own objects when they run speed mode "torch").
+    hf_target: LoadedModel | None = None
+    hf_draft: LoadedModel | None = None
+    threads: int | None = None  # llama_cpp's threads (None: torch's, which selfspec runs with)
+    state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
+
+
+@dataclass
+class Method:
+    """A benchmarked method. ``needs``: what must be loaded: "target", "plan", "draft" or "gguf"."""
+
+    name: str
+    run: Callable[[BenchContext, list[int]], MethodRun]
+    needs: str = "target"
+    checks_identity: bool = True  # False: other weights/numerics (llama_cpp), reported as "n/a"
+    setup: Callable[[BenchContext], None] | None = None
+    transformers: bool = False  # runs transformers' generate: needs the unmodified model
+
+
+class _FirstTokenClock:
+    """A transformers streamer that notes when the first new token arrives (put() is called
+    first with the prompt, then with each new token)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(ctx: BenchContext, prompt_ids: list[int], **extra) -> MethodRun:
+    import torch
+    from transformers import GenerationConfig
+
+    model = ctx.hf_target.model
+    tokenizer = ctx.engine.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ctx.eos_ids[0]
+    # A fresh config, so the model's own sampling defaults (repetition penalty, top_k ...) stay out.
+    lookup = extra.pop("prompt_lookup_num_tokens", None)
+    config = GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        max_new_tokens=ctx.max_new_tokens,
+        eos_token_id=list(ctx.eos_ids),
+        pad_token_id=pad,
+        prompt_lookup_num_tokens=lookup,
+    )
+    ids = torch.tensor([prompt_ids], device=model.device)
+    clock = _FirstTokenClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            streamer=clock,
+            **extra,
+        )
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    first = clock.first - t0 if clock.first is not None else None
+    tokens = _cut_at_eos(out[0, len(prompt_ids) :].tolist(), ctx.eos_ids)
+    return MethodRun(tokens, seconds, first_token_seconds=first)
+
+
+def _cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
+    eos = set(eos_ids)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _run_hf_generate(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _hf_generate(ctx, prompt_ids)
+
+
+def _run_hf_assisted(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _hf_generate(ctx, prompt_ids, assistant_model=ctx.hf_draft.model)
+
+
+def _run_prompt_lookup(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _hf_generate(ctx, prompt_ids, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+
+
+def _engine_run(ctx: BenchContext, prompt_ids: list[int], drafter: Drafter | None) -> MethodRun:
+    result = ctx.engine.generate(list(prompt_ids), drafter, max_new_tokens=ctx.max_new_tokens)
+    stats = result.stats
+    return MethodRun(
+        result.token_ids, stats.seconds, stats, first_token_seconds=stats.prefill_seconds
+    )
+
+
+def _run_autoregressive(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _engine_run(ctx, prompt_ids, None)
+
+
+def _setup_self_speculative(ctx: BenchContext) -> None:
+    ctx.state["self_speculative"] = ctx.engine.self_drafter(ctx.plan)
+
+
+def _run_self_speculative(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _engine_run(ctx, prompt_ids, ctx.state["self_speculative"])
+
+
+def _setup_dual_model(ctx: BenchContext) -> None:
+    ctx.state["dual_model"] = ctx.engine.model_drafter(ctx.draft)
+
+
+def _run_dual_model(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _engine_run(ctx, prompt_ids, ctx.state["dual_model"])
+
+
+def gguf_path_for(model_name: str) -> Path | None:
+    """The bundled model's .gguf, kept in its cache folder (fetched again if it predates that)."""
+    from selfspec.models import KNOWN_MODELS, ensure_bundled, gguf_source
+
+    if model_name not in KNOWN_MODELS:
+        return None
+    return gguf_source(model_name, ensure_bundled(model_name))
+
+
+def _setup_llama_cpp(ctx: BenchContext) -> None:
+    import torch
+    from llama_cpp import Llama
+
+    path = gguf_path_for(ctx.engine.loaded.name)
+    window = ctx.state.get("llama_ctx", 4096)
+    threads = ctx.threads or torch.get_num_threads()
+    ctx.state["llama_cpp"] = Llama(
+        model_path=str(path), n_threads=threads, n_ctx=window, verbose=False
+    )
+
+
+def _run_llama_cpp(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    llm = ctx.state["llama_cpp"]
+    eos = set(ctx.eos_ids) | {llm.token_eos()}
+    out: list[int] = []
+    llm.reset()
+    first = None
+    t0 = time.perf_counter()
+    for token in llm.generate(
+        list(prompt_ids), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True
+    ):
+        if first is None:
+            first = time.perf_counter() - t0
+        out.append(int(token))
+        if token in eos or len(out) >= ctx.max_new_tokens:
+            break
+    return MethodRun(out, time.perf_counter() - t0, first_token_seconds=first)
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("hf_generate", _run_hf_generate, transformers=True),
+        Method("autoregressive", _run_autoregressive),
+        Method(
+            "self_speculative", _run_self_speculative, needs="plan", setup=_setup_self_speculative
+        ),
+        Method("dual_model", _run_dual_model, needs="draft", setup=_setup_dual_model),
+        Method("hf_assisted", _run_hf_assisted, needs="draft", transformers=True),
+        Method("prompt_lookup", _run_prompt_lookup, transformers=True),
+        Method(
+            "llama_cpp", _run_llama_cpp, needs="gguf", checks_identity=False, setup=_setup_llama_cpp
+        ),
+    ]
+}
+ALL_METHODS = tuple(METHODS)

@@ -1,0 +1,374 @@
+"""``run_bench``: every method on every prompt, interleaved, after one warm-up each.
+
+Methods run prompt by prompt (the order rotates from prompt to prompt), so machine drift hits all
+alike. The warm-ups, grouped by what they need loaded (the target, then the draft model, then the
+.gguf for llama_cpp), double as the memory measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from selfspec.bench.host import MEMORY_METHOD, PeakRss, describe_machine, process_peak_rss_mb
+from selfspec.bench.methods import (
+    ALL_METHODS,
+    BASELINE,
+    METHODS,
+    PROMPT_LOOKUP_TOKENS,
+    BenchContext,
+    Method,
+    MethodRun,
+    llama_cpp_available,
+)
+from selfspec.bench.summary import summarize
+from selfspec.errors import SelfSpecError
+from selfspec.models import KNOWN_MODELS, LoadedModel
+from selfspec.prompts import Prompt
+
+if TYPE_CHECKING:
+    from selfspec.engine import Engine
+    from selfspec.plan import SkipPlan
+
+PHASES = ("target", "draft", "gguf")
+
+
+class _QuietTransformers:
+    """Silence transformers' per-call advice (assisted generation repeats it on every call)."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self.level = logging.get_verbosity()
+        logging.set_verbosity_error()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        logging.set_verbosity(self.level)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc="bench",
+        unit="run",
+        leave=False,
+        file=sys.stderr,
+        disable=not enabled or os.environ.get("SELFSPEC_NO_PROGRESS") == "1",
+    )
+
+
+def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
+    """Why a method cannot run here, or None."""
+    if method.needs == "plan" and plan is None:
+        return (
+            f"no skip plan for {model_name}: pass --plan or --skip-*, or run "
+            f"`selfspec search --model {model_name}`"
+        )
+    if method.needs == "draft" and draft is None:
+        return f"no draft model: {model_name} has no default draft model; pass --draft-model"
+    if method.needs == "gguf":
+        if not llama_cpp_available():
+            return "llama-cpp-python is not installed (pip install 'selfspec[llama-cpp]')"
+        if model_name not in KNOWN_MODELS:
+            return f"{model_name} is not a bundled GGUF model"
+    return None
+
+
+def resolve_methods(
+    requested, *, plan, draft, model_name: str, custom: dict | None = None, explicit: bool = False
+) -> tuple[list[str], list[str]]:
+    """Which methods can run, and a note for each left out. Explicitly requested ones must run."""
+    known = dict(METHODS, **(custom or {}))
+    requested = list(requested) if requested else [*ALL_METHODS, *(custom or {})]
+    unknown = [m for m in requested if m not in known]
+    if unknown:
+        raise SelfSpecError(f"unknown method(s) {', '.join(unknown)}. Known: {', '.join(known)}.")
+    notes, chosen = [], []
+    if BASELINE not in requested:
+        requested.insert(0, BASELINE)
+        notes.append(
+            f"{BASELINE} added: it is the baseline every speedup and identity check refers to."
+        )
+    for name in dict.fromkeys(requested):
+        method = known[name] if isinstance(known[name], Method) else Method(name, known[name])
+        reason = _unavailable(method, plan, draft, model_name)
+        if reason and explicit and name != BASELINE:
+            raise SelfSpecError(f"cannot run {name}: {reason}.")
+        if reason:
+            notes.append(f"{name} skipped: {reason}.")
+        else:
+            chosen.append(name)
+    return chosen, notes
+
+
+def _split_draft(draft) -> tuple[str | LoadedModel | None, str | None]:
+    """The draft as run_bench keeps it (a name or path to load later, or a LoadedModel), and its
+    name."""
+    from selfspec.engine import Engine
+
+    if isinstance(draft, Engine):
+        draft = draft.loaded
+    if isinstance(draft, LoadedModel):
+        return draft, draft.name
+    return (str(draft), str(draft)) if draft is not None else (None, None)
+
+
+@dataclass
+class _Setup:
+    """What run_bench settles before any method runs."""
+
+    prompts: list[Prompt]
+    encoded: list[list[int]]
+    registry: dict[str, Method]
+    chosen: list[str]
+    draft: str | LoadedModel | None  # a name or path is loaded after the target-only warm-ups
+    draft_name: str | None
+    chat: bool
+    numerics: str | None
+    repeats: int
+
+    def needs(self, what: str) -> bool:
+        return any(self.registry[m].needs == what for m in self.chosen)
+
+
+def _as_prompts(prompts) -> list[Prompt]:
+    prompts = [
+        p if isinstance(p, Prompt) else Prompt(str(i), "all", p) for i, p in enumerate(prompts)
+    ]
+    if not prompts:
+        raise SelfSpecError("no prompts to benchmark.")
+    return prompts
+
+
+def _choose(
+    engine: Engine,
+    methods: Sequence[str] | None,
+    plan: SkipPlan | None,
+    draft_name: str | None,
+    custom_methods: dict | None,
+    explicit: bool,
+) -> tuple[dict[str, Method], list[str], list[str]]:
+    """The method registry (custom methods included), the methods that run, and notes on the
+    others."""
+    custom = {
+        n: (m if isinstance(m, Method) else Method(n, m)) for n, m in (custom_methods or {}).items()
+    }
+    chosen, notes = resolve_methods(
+        methods,
+        plan=plan,
+        draft=draft_name,
+        model_name=engine.loaded.name,
+        custom=custom,
+        explicit=explicit,
+    )
+    return dict(METHODS, **custom), chosen, notes
+
+
+def _numerics(engine: Engine, notes: list[str]) -> str | None:
+    """How selfspec's speed mode changes the numerics, if it does (said in a note too)."""
+    from selfspec.speed import numerics_note
+
+    numerics = numerics_note(engine.loaded.speed, engine.loaded.device.type)
+    if numerics:
+        notes.append(
+            f"speed mode {engine.loaded.speed} changes the numerics ({numerics}), so selfspec's "
+            f"methods need not match {BASELINE} token for token; speculation is checked against "
+            "selfspec's own plain decoding in the same mode."
+        )
+    return numerics
+
+
+def _check_draft_early(engine: Engine, setup: _Setup) -> None:
+    """A draft model with another tokenizer fails now, not after the target-only methods ran."""
+    from selfspec.models import check_same_tokenizer, load_tokenizer
+
+    name = setup.draft_name
+    if setup.needs("draft") and isinstance(setup.draft, str) and name != engine.loaded.name:
+        check_same_tokenizer(engine.loaded.name, engine.tokenizer, name, load_tokenizer(name))
+
+
+def _encode(
+    engine: Engine, prompts: list[Prompt], chat: bool, max_new_tokens: int
+) -> list[list[int]]:
+    """The prompts' token ids, each checked to leave room for ``max_new_tokens`` more."""
+    from selfspec.decode import check_context
+
+    encoded = [engine.encode(p.text, chat=chat) for p in prompts]
+    lengths = {f"prompt {p.id}": len(ids) for p, ids in zip(prompts, encoded)}
+    check_context(lengths, max_new_tokens, engine.runner.context_window, "--max-new-tokens")
+    return encoded
+
+
+def _load_draft(ctx: BenchContext, setup: _Setup, bar) -> LoadedModel:
+    from selfspec.models import check_same_tokenizer, load_model
+
+    engine, name = ctx.engine, setup.draft_name
+    if isinstance(setup.draft, LoadedModel):
+        loaded = setup.draft
+    elif name == engine.loaded.name:
+        loaded = engine.loaded  # drafting with itself: one copy of the weights
+    else:
+        bar.set_description(f"loading {name}")
+        device, dtype, speed = str(engine.loaded.device), engine.loaded.dtype, engine.loaded.speed
+        loaded = load_model(name, device=device, dtype=dtype, speed=speed)
+    check_same_tokenizer(engine.loaded.name, engine.tokenizer, name, loaded.tokenizer)
+    return loaded
+
+
+def _transformers_copies(ctx: BenchContext, phase: str, bar) -> None:
+    """Load the unmodified models transformers' own methods need, when first needed."""
+    from selfspec.models import unmodified
+
+    engine = ctx.engine
+    if phase == "target" and ctx.hf_target is None:
+        bar.set_description(f"loading {engine.loaded.name} for transformers")
+        ctx.hf_target = unmodified(engine.loaded)
+    if phase == "draft" and ctx.hf_draft is None:
+        bar.set_description(f"loading {ctx.draft.name} for transformers")
+        shared = ctx.draft is engine.loaded and ctx.hf_target
+        ctx.hf_draft = ctx.hf_target if shared else unmodified(ctx.draft)
+
+
+def _phases(setup: _Setup) -> dict[str, list[str]]:
+    """The methods by what they need loaded; selfspec's own before transformers' in each."""
+    phases: dict[str, list[str]] = {phase: [] for phase in PHASES}
+    for name in sorted(setup.chosen, key=lambda m: setup.registry[m].transformers):
+        needs = setup.registry[name].needs
+        phases["target" if needs == "plan" else needs].append(name)
+    return phases
+
+
+def _warm_up(ctx: BenchContext, setup: _Setup, bar) -> dict[str, float]:
+    """One warm-up generation per method, phase by phase; returns each one's peak RSS in MB."""
+    peak_rss: dict[str, float] = {}
+    for phase, names in _phases(setup).items():
+        if phase == "draft" and names and ctx.draft is None:
+            ctx.draft = _load_draft(ctx, setup, bar)
+        for name in names:
+            method = setup.registry[name]
+            if method.transformers:
+                _transformers_copies(ctx, phase, bar)
+            bar.set_description(f"warm-up {name}")
+            with PeakRss() as rss:
+                if method.setup:
+                    method.setup(ctx)
+                method.run(ctx, setup.encoded[0])
+            peak_rss[name] = rss.peak_mb
+            bar.update(1)
+    return peak_rss
+
+
+def _timed_runs(ctx: BenchContext, setup: _Setup, bar) -> dict[str, list[list[MethodRun]]]:
+    """Every method on a prompt before the next prompt; who goes first rotates."""
+    chosen, encoded = setup.chosen, setup.encoded
+    runs: dict[str, list[list[MethodRun]]] = {name: [[] for _ in encoded] for name in chosen}
+    for i, ids in enumerate(encoded):
+        order = chosen[i % len(chosen) :] + chosen[: i % len(chosen)]
+        for _ in range(setup.repeats):
+            for name in order:
+                bar.set_description(f"{name} {i + 1}/{len(encoded)}")
+                runs[name][i].append(setup.registry[name].run(ctx, ids))
+                bar.update(1)
+    return runs
+
+
+def _measure(
+    ctx: BenchContext, setup: _Setup, progress: bool
+) -> tuple[dict[str, float], dict[str, list[list[MethodRun]]]]:
+    """Warm-ups (with their memory), then the timed runs: (peak RSS by method, runs by method)."""
+    total = len(setup.chosen) * (1 + len(setup.prompts) * setup.repeats)
+    bar = _progress(total, progress)
+    try:
+        with _QuietTransformers():
+            return _warm_up(ctx, setup, bar), _timed_runs(ctx, setup, bar)
+    finally:
+        bar.close()
+
+
+def _config(ctx: BenchContext, setup: _Setup, extra: dict | None) -> dict:
+    plan = ctx.plan
+    return {
+        "model": ctx.engine.loaded.name,
+        "plan": plan.to_dict() if plan is not None else None,
+        "plan_summary": plan.describe() if plan is not None else None,
+        "draft_model": setup.draft_name if setup.needs("draft") else None,
+        "speed_mode": ctx.engine.loaded.speed,
+        "numerics": setup.numerics,
+        "prompts": len(setup.prompts),
+        "categories": sorted({p.category for p in setup.prompts}),
+        "max_new_tokens": ctx.max_new_tokens,
+        "eos_token_ids": list(ctx.eos_ids),
+        "repeats": setup.repeats,
+        "chat_template": setup.chat,
+        "threads": ctx.threads,
+        "methods": setup.chosen,
+        "baseline": BASELINE,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "memory_method": MEMORY_METHOD,
+        "speedup_method": (
+            "median over prompts of (method tokens/s) / (reference tokens/s) on the same prompt"
+        ),
+        **(extra or {}),
+    }
+
+
+def run_bench(
+    engine: Engine,
+    prompts,
+    methods=None,
+    *,
+    plan: SkipPlan | None = None,
+    draft=None,
+    max_new_tokens: int = 64,
+    repeats: int = 1,
+    chat: bool | None = None,
+    custom_methods: dict | None = None,
+    explicit: bool = False,
+    progress: bool = True,
+    notes: list[str] | None = None,
+    config_extra: dict | None = None,
+) -> dict:
+    """Benchmark ``methods`` on ``prompts`` (selfspec.prompts.Prompt objects or plain strings).
+
+    ``plan``: the skip plan for self_speculative (None: the engine's default plan).
+    ``draft``: the draft model for dual_model and hf_assisted: a bundled name or path (loaded
+    only after the target-only methods' memory is measured), a LoadedModel or an Engine.
+    ``custom_methods``: extra methods, name -> Method or callable(ctx, prompt_ids) -> MethodRun;
+    a test can register a deliberately broken one to see it reported as not identical.
+    ``chat``: wrap prompts in the chat template (None: when the tokenizer has one).
+    Returns the result dict that ``format_markdown`` and ``write_outputs`` take.
+    """
+    import torch
+
+    from selfspec.cliargs import check_at_least
+
+    check_at_least("max_new_tokens", max_new_tokens, 1)
+    check_at_least("repeats", repeats, 1)
+    prompts = _as_prompts(prompts)
+    plan = plan if plan is not None else engine.default_plan()
+    draft, draft_name = _split_draft(draft)
+    registry, chosen, skipped = _choose(engine, methods, plan, draft_name, custom_methods, explicit)
+    notes = [*(notes or []), *skipped]
+    numerics = _numerics(engine, notes)
+    chat = bool(getattr(engine.tokenizer, "chat_template", None)) if chat is None else chat
+    setup = _Setup(prompts, [], registry, chosen, draft, draft_name, chat, numerics, repeats)
+    _check_draft_early(engine, setup)
+    setup.encoded = _encode(engine, prompts, chat, max_new_tokens)
+    threads = torch.get_num_threads()
+    ctx = BenchContext(engine, max_new_tokens, engine.eos_ids(), plan=plan, threads=threads)
+    ctx.state["llama_ctx"] = max(len(ids) for ids in setup.encoded) + max_new_tokens + 16
+    peak_rss, runs = _measure(ctx, setup, progress)
+    result = summarize(prompts, setup.encoded, chosen, registry, runs, peak_rss)
+    result["machine"] = describe_machine(engine)
+    result["machine"]["process_peak_rss_mb"] = round(process_peak_rss_mb(), 1)
+    result["config"] = _config(ctx, setup, config_extra)
+    result["notes"] = notes
+    return result

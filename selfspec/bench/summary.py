@@ -1,0 +1,190 @@
+"""From timed runs to the bench's figures: per prompt, per method, per category.
+
+Speedups are medians over prompts of per-prompt ratios. End to end: tokens/s over the whole
+generation, prefill included. Decoding phase: tokens after the first per second after the first
+(``decode_tokens_per_second``), which long prompts' prefill does not drown.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from selfspec.bench.methods import BASELINE
+
+if TYPE_CHECKING:
+    from selfspec.bench.methods import Method, MethodRun
+    from selfspec.decode import DecodeStats
+    from selfspec.prompts import Prompt
+
+REFERENCES = (BASELINE, "autoregressive")
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def rounded(value, digits: int = 4):
+    return round(value, digits) if isinstance(value, float) else value
+
+
+def first_difference(a: list[int], b: list[int]) -> dict:
+    n = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {
+        "index": n,
+        "method_token": a[n] if n < len(a) else None,
+        "baseline_token": b[n] if n < len(b) else None,
+    }
+
+
+def _entry(method: Method, reps: list[MethodRun], base: list[int], plain: list[int] | None) -> dict:
+    """One method on one prompt: tokens of the first repeat, median times, identity checks."""
+    tokens = reps[0].token_ids
+    seconds = statistics.median(r.seconds for r in reps)
+    identical = all(r.token_ids == base for r in reps) if method.checks_identity else "n/a"
+    entry = {
+        "new_tokens": len(tokens),
+        "seconds": seconds,
+        "tokens_per_second": len(tokens) / seconds if seconds else 0.0,
+        "time_to_first_token": median([r.first_token_seconds for r in reps]),
+        "decode_tokens_per_second": median([r.decode_tokens_per_second for r in reps]),
+        "identical_to_baseline": identical,
+        "stats": reps[0].stats,
+    }
+    if reps[0].stats is not None and plain is not None:
+        # selfspec's own plain decoding in the same speed mode: speculation must not change a token
+        entry["identical_to_autoregressive"] = all(r.token_ids == plain for r in reps)
+    return entry
+
+
+def _prompt_row(
+    prompt: Prompt,
+    n_prompt: int,
+    entries: dict[str, dict],
+    tokens: dict[str, list[int]],
+    base: list[int],
+) -> dict:
+    row = {"id": prompt.id, "category": prompt.category, "prompt_tokens": n_prompt, "methods": {}}
+    for name, entry in entries.items():
+        shown = {k: rounded(v) for k, v in entry.items() if k != "stats"}
+        if entry["stats"] is not None:
+            shown["mean_accepted_length"] = round(entry["stats"].mean_accepted_length, 4)
+        if entry["identical_to_baseline"] is False:
+            shown["first_difference"] = first_difference(tokens[name], base)
+        row["methods"][name] = shown
+    return row
+
+
+def _median_ratio(
+    table: dict[str, list[dict]], entries: list[dict], indices: list[int], ref: str, key: str
+) -> float | None:
+    """Median over prompts of this method's ``key`` over the reference method's on that prompt."""
+    ratios = []
+    for e, i in zip(entries, indices):
+        mine, theirs = e[key], table[ref][i][key]
+        if mine is not None and theirs:
+            ratios.append(mine / theirs)
+    return rounded(median(ratios))
+
+
+def _speedups(
+    table: dict[str, list[dict]], entries: list[dict], indices: list[int], key: str, prefix: str
+) -> dict:
+    """``{prefix}speedup_vs_{ref}`` for each reference method (None when it did not run)."""
+    return {
+        f"{prefix}speedup_vs_{ref}": _median_ratio(table, entries, indices, ref, key)
+        if ref in table
+        else None
+        for ref in REFERENCES
+    }
+
+
+def _drafting(stats: list[DecodeStats]) -> dict:
+    """Acceptance figures summed over runs (selfspec's own methods only)."""
+    if not stats:
+        return {
+            "mean_accepted_length": None,
+            "acceptance_rate": None,
+            "acceptance_by_position": None,
+        }
+    passes = sum(s.target_passes for s in stats)
+    emitted = sum(max(s.new_tokens - 1, 0) for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    width = max(len(s.drafted_by_position) for s in stats)
+
+    def by_position(attr: str) -> list[int]:
+        return [
+            sum(getattr(s, attr)[k] for s in stats if k < len(getattr(s, attr)))
+            for k in range(width)
+        ]
+
+    by_d, by_a = by_position("drafted_by_position"), by_position("accepted_by_position")
+    return {
+        "mean_accepted_length": rounded(emitted / passes) if passes else None,
+        "acceptance_rate": rounded(sum(s.accepted for s in stats) / drafted) if drafted else None,
+        "acceptance_by_position": [rounded(a / d) if d else None for a, d in zip(by_a, by_d)]
+        if drafted
+        else [],
+        "drafted_by_position": by_d,
+        "target_passes": passes,
+        "fell_back": sum(bool(s.fell_back) for s in stats),
+    }
+
+
+def _summary(
+    table: dict[str, list[dict]], name: str, indices: list[int], prompts: list[Prompt]
+) -> dict:
+    entries = [table[name][i] for i in indices]
+    out = {
+        "prompts": len(entries),
+        "new_tokens": sum(e["new_tokens"] for e in entries),
+        "seconds": round(sum(e["seconds"] for e in entries), 4),
+        "tokens_per_second": rounded(median(e["tokens_per_second"] for e in entries)),
+        **_speedups(table, entries, indices, "tokens_per_second", ""),
+        "decode_tokens_per_second": rounded(median(e["decode_tokens_per_second"] for e in entries)),
+        **_speedups(table, entries, indices, "decode_tokens_per_second", "decode_"),
+        "time_to_first_token": rounded(median(e["time_to_first_token"] for e in entries)),
+    }
+    out.update(_drafting([e["stats"] for e in entries if e["stats"] is not None]))
+    if all("identical_to_autoregressive" in e for e in entries):
+        out["identical_to_autoregressive"] = all(e["identical_to_autoregressive"] for e in entries)
+    identities = [e["identical_to_baseline"] for e in entries]
+    out["identical_to_baseline"] = "n/a" if "n/a" in identities else all(identities)
+    if out["identical_to_baseline"] is False:
+        out["mismatched_prompts"] = [
+            prompts[i].id for i, e in zip(indices, entries) if e["identical_to_baseline"] is False
+        ]
+    return out
+
+
+def summarize(
+    prompts: list[Prompt],
+    encoded: list[list[int]],
+    chosen: list[str],
+    registry: dict[str, Method],
+    runs: dict[str, list[list[MethodRun]]],
+    peak_rss: dict[str, float],
+) -> dict:
+    """The result's "methods" (overall and per category) and "prompts" (per prompt) parts."""
+    table: dict[str, list[dict]] = {name: [] for name in chosen}
+    per_prompt = []
+    for i, prompt in enumerate(prompts):
+        base = runs[BASELINE][i][0].token_ids
+        plain = runs["autoregressive"][i][0].token_ids if "autoregressive" in runs else None
+        entries = {name: _entry(registry[name], runs[name][i], base, plain) for name in chosen}
+        for name, entry in entries.items():
+            table[name].append(entry)
+        tokens = {name: runs[name][i][0].token_ids for name in chosen}
+        per_prompt.append(_prompt_row(prompt, len(encoded[i]), entries, tokens, base))
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    methods = {}
+    for name in chosen:
+        overall = _summary(table, name, list(range(len(prompts))), prompts)
+        overall["peak_rss_mb"] = rounded(peak_rss.get(name), 1)
+        overall["categories"] = {
+            c: _summary(table, name, [i for i, p in enumerate(prompts) if p.category == c], prompts)
+            for c in categories
+        }
+        methods[name] = overall
+    return {"methods": methods, "prompts": per_prompt}

@@ -1,0 +1,127 @@
+"""Command-line pieces every subcommand shares: model flags, plan flags, number checks.
+
+Each subcommand module (``selfspec.cli`` for generate and models, ``selfspec.search.cli``,
+``selfspec.bench.cli``, ``selfspec.profile``) builds its parser from these, so a flag means the
+same everywhere and a bad value gets the same one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from selfspec.errors import SelfSpecError
+from selfspec.models import DEFAULT_MODEL
+from selfspec.speed import SPEED_MODES
+
+if TYPE_CHECKING:
+    import torch
+
+    from selfspec.engine import Engine
+    from selfspec.plan import SkipPlan
+
+SPEED_HELP = (
+    "weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same results from "
+    "the GGUF file's quantized weights, a fifth of the memory traffic), gguf-q8 (those weights times "
+    "activations rounded to 8 bits, as llama.cpp does: faster, but not the float32 model's numerics), "
+    "torch (the model as transformers builds it), cuda-graphs (CUDA: fixed-shape passes replayed as "
+    "CUDA graphs), cuda-compiled (the same through torch.compile: faster passes, a minute of "
+    "compiling first) or auto (cuda-graphs on CUDA, packed on a CPU where it builds; default)"
+)
+
+
+def add_model_arguments(
+    parser: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL
+) -> None:
+    parser.add_argument(
+        "--model",
+        default=model_default,
+        help=f"bundled model name, local HF folder, local .gguf or hub id (default {model_default})",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weights dtype (default float32 on cpu, bfloat16 on cuda)",
+    )
+    parser.add_argument("--speed", choices=SPEED_MODES, default="auto", help=SPEED_HELP)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
+    """--plan and the --skip-* overrides; ``purpose`` says what the plan is for in the help."""
+    parser.add_argument(
+        "--plan", default=None, help=f"skip plan JSON {purpose} (default: the model's plan)"
+    )
+    parser.add_argument(
+        "--skip-attention",
+        default=None,
+        help="attention sublayers to skip, e.g. 3,5,7 or 10-14 (overrides the plan)",
+    )
+    parser.add_argument(
+        "--skip-mlp", default=None, help="MLP sublayers to skip (overrides the plan)"
+    )
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    import torch
+
+    return getattr(torch, name) if name else None
+
+
+def load_engine(args: argparse.Namespace, model: str | None = None) -> Engine:
+    """The engine the model flags ask for."""
+    from selfspec.engine import Engine
+
+    return Engine.load(
+        model or args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed
+    )
+
+
+def check_at_least(flag: str, value: int | float | None, low: int | float) -> None:
+    if value is not None and value < low:
+        raise SelfSpecError(f"{flag} must be at least {low}, got {value}")
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or standard input for '-'."""
+    if arg is None:
+        raise SelfSpecError("no prompt given: pass the prompt text, or - to read it from stdin.")
+    if arg == "-":
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError as exc:
+            raise SelfSpecError(f"standard input is not UTF-8 text ({exc.reason}).") from None
+    else:
+        text = arg
+    if not text.strip():
+        raise SelfSpecError("the prompt is empty: give some text to continue.")
+    return text
+
+
+def resolve_plan(engine: Engine, args: argparse.Namespace) -> SkipPlan | None:
+    """The plan a command should use: --plan, else the model's default, with --skip-* overrides."""
+    from selfspec.plan import DraftPolicy, parse_layer_list
+
+    if getattr(args, "no_plan", False):
+        plan = None
+    elif getattr(args, "plan", None):
+        plan = engine.load_plan(args.plan)
+    else:
+        plan = engine.default_plan()
+    skip_attention = getattr(args, "skip_attention", None)
+    skip_mlp = getattr(args, "skip_mlp", None)
+    if skip_attention is None and skip_mlp is None:
+        return plan
+    policy = plan.policy if plan else DraftPolicy()
+    return engine.make_plan(
+        parse_layer_list(skip_attention, "--skip-attention")
+        if skip_attention is not None
+        else (plan.skip_attention if plan else []),
+        parse_layer_list(skip_mlp, "--skip-mlp")
+        if skip_mlp is not None
+        else (plan.skip_mlp if plan else []),
+        policy,
+        provenance={"how": "command-line --skip-* flags"},
+    )

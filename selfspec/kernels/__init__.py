@@ -1,0 +1,188 @@
+"""selfspec's CPU kernel (``module.cpp`` and its headers): how it is built, and the primitives around it.
+
+The C++ extension is compiled for this machine on first use (``-march=native``: a build is only
+valid on CPUs with the same instruction set) and cached under the user's cache, keyed by the
+source, the CPU's flags and the torch version. It provides:
+
+- ``packed_linear`` / ``quant_linear`` / ``q8_linear``: a linear layer over few rows, weights in
+  16-wide column panels (float32, or the GGUF file's integers), each row summed in a fixed order
+  so that row r of a pass over m rows is bit for bit a pass over that row alone;
+- ``attention_rows``: attention one query row at a time, for the same reason;
+- ``DecoderLayer``: a whole pre-norm decoder sublayer (norm, projections, rotary embedding,
+  attention; or the MLP) in one call, row by row in the same way (``selfspec.fused``).
+
+The speed modes (``selfspec.speed``, ``selfspec.quantized``) build their modules on these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from selfspec.errors import SelfSpecError
+from selfspec.machine import cpu_flags, has_flag, is_x86_64
+from selfspec.paths import kernel_build_root
+
+if TYPE_CHECKING:
+    from torch import nn
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCE = SOURCE_DIR / "module.cpp"  # includes the headers beside it
+PANEL = 16  # output columns per panel
+# Passes over at most this many tokens use the kernel, whose rows do not depend on each other:
+# every decode step, draft step and verify pass (max_draft_tokens <= 64, plus the pending token).
+# Longer passes (prefill) are compute-bound, where BLAS, batched over the panels, is faster.
+KERNEL_MAX_ROWS = 80
+ROW_ATTENTION = "selfspec_rows"  # the name the row attention is registered under in transformers
+
+_kernel = None
+_kernel_error: str | None = None
+_kernel_lock = threading.Lock()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode())
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # module.cpp and its headers
+        key.update(path.name.encode() + path.read_bytes())
+    folder = kernel_build_root() / key.hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary is not there unless the venv is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+def _compile():
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    folder = _build_dir()
+    if not any(folder.glob("*.so")):
+        print(
+            "selfspec: compiling the packed CPU kernel for this machine (once, about a minute)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    return load(
+        name="selfspec_kernels",
+        sources=[str(SOURCE)],
+        build_directory=str(folder),
+        # fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add the
+        # code did not ask for).
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def load_kernel():
+    """The compiled extension; raises SelfSpecError saying why it cannot be built."""
+    global _kernel, _kernel_error
+    with _kernel_lock:
+        if _kernel is not None:
+            return _kernel
+        if _kernel_error is not None:
+            raise SelfSpecError(_kernel_error)
+        if not is_x86_64() or not has_flag("avx2"):
+            _kernel_error = (
+                "the packed kernel needs an x86-64 CPU with AVX2 and FMA; use --speed torch."
+            )
+            raise SelfSpecError(_kernel_error)
+        try:
+            _kernel = _compile()
+        except Exception as exc:  # compiler missing, ninja missing, unsupported CPU...
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
+            _kernel_error = (
+                f"could not build selfspec's packed CPU kernel ({type(exc).__name__}: {last}). "
+                "It needs a C++ compiler (g++) and ninja (`pip install ninja`); or use --speed torch."
+            )
+            raise SelfSpecError(_kernel_error) from exc
+        return _kernel
+
+
+def kernel_available() -> bool:
+    try:
+        load_kernel()
+        return True
+    except SelfSpecError:
+        return False
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K, 16] with packed[p, k, j] = weight[16p + j, k]."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def matmul_panels(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ panels [P, K, 16] -> [M, 16P] with BLAS, for long (prefill) passes. The gguf
+    mode runs it too, on rebuilt panels, so both modes prefill with the same arithmetic."""
+    return torch.matmul(rows, panels).permute(1, 0, 2).reshape(rows.shape[0], -1)
+
+
+def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) -> torch.Tensor:
+    """The first ``out_features`` outputs of ``linear`` (all when None), reading only their weights."""
+    if out_features is None or out_features >= linear.out_features:
+        return linear(x)
+    if getattr(linear, "reads_prefix", False):
+        return linear(x, out_features)
+    bias = linear.bias[:out_features] if linear.bias is not None else None
+    return torch.nn.functional.linear(x, linear.weight[:out_features], bias)
+
+
+def _attention_by_rows(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """Attention for the kernel speed modes: one query row at a time in a fixed order
+    (``attention_rows``), so a verify pass gives every row the bits a one-token pass gives, and
+    grouped key/value heads are read in place. Features it does not cover (dropout, soft-capping,
+    position bias, paged caches) go to transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = (
+        dropout == 0.0
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+        and query.dtype == torch.float32
+        and query.device.type == "cpu"
+        and (attention_mask is None or attention_mask.dtype in (torch.bool, torch.float32))
+    )
+    if not plain:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    rows = load_kernel().attention_rows(query, key, value, attention_mask, scale, bool(causal))
+    return rows, None
+
+
+def use_row_attention(model: nn.Module) -> None:
+    """Switch one model instance to the row attention (transformers' own implementations stay)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROW_ATTENTION, _attention_by_rows)
+    model.set_attn_implementation(ROW_ATTENTION)

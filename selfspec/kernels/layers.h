@@ -1,0 +1,178 @@
+// A pre-norm decoder layer (llama, qwen2, mistral) as two native calls: the attention sublayer
+//   h + o_proj(attention(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))     x = rms_norm(h)
+// and the MLP sublayer
+//   h + down_proj(silu(gate_proj(x)) * up_proj(x))                         x = rms_norm(h)
+// each one call from Python instead of a few dozen torch operations. Every step works row by
+// row (norms, rotary embedding, attention over the keys a row may see, the linear layers), so a
+// row's result never depends on the other rows of its pass: verify passes and token trees give
+// each row the bits of a one-token pass.
+#pragma once
+
+#include "ops.h"
+
+namespace selfspec {
+
+constexpr int64_t kPackedKind = 0;  // float32 panels [P, K, 16] (speed mode packed)
+constexpr int64_t kQuantKind = 1;   // a GGUF file's integers, float32 arithmetic (gguf)
+constexpr int64_t kQ8Kind = 2;      // the same integers times 8-bit activations (gguf-q8)
+constexpr int64_t kDequantChunk = 512;  // panels rebuilt as float32 at once in long passes
+
+// One linear layer's weights as the kernel holds them.
+struct LinearRef {
+  int64_t kind;
+  torch::Tensor weight;
+  int64_t format, group;
+  c10::optional<torch::Tensor> bias;
+  int64_t in_features, out_features;
+  int64_t max_rows;  // passes over more rows (prefill) use BLAS on float32 panels
+
+  // y = x W^T + b for x [M, K]; ``rows``: x already rounded to 8 bits (q8 only).
+  torch::Tensor forward(const torch::Tensor& x, const QuantizedRows* rows = nullptr) const {
+    const int64_t M = x.size(0);
+    if (kind == kQ8Kind) {
+      if (rows != nullptr) return q8_linear_rows(*rows, weight, format, group, bias, false);
+      return q8_linear(x, weight, format, group, bias, false);
+    }
+    if (M <= max_rows) {
+      return kind == kPackedKind ? packed_linear(x, weight, bias) : quant_linear(x, weight, format, group, bias);
+    }
+    torch::Tensor y;
+    if (kind == kPackedKind) {
+      y = panels_matmul(x, weight);
+    } else {
+      std::vector<torch::Tensor> chunks;
+      const int64_t P = weight.size(0);
+      for (int64_t first = 0; first < P; first += kDequantChunk) {
+        const int64_t last = std::min(P, first + kDequantChunk);
+        chunks.push_back(panels_matmul(x, dequantize_panels(weight.slice(0, first, last), format, group, in_features)));
+      }
+      y = torch::cat(chunks, 1);
+    }
+    return bias.has_value() && bias->defined() ? y + *bias : y;
+  }
+
+  // rows [M, K] @ panels [P, K, 16] -> [M, 16P] with BLAS (as selfspec.kernels.matmul_panels).
+  static torch::Tensor panels_matmul(const torch::Tensor& x, const torch::Tensor& panels) {
+    return torch::matmul(x, panels).permute({1, 0, 2}).reshape({x.size(0), -1});
+  }
+};
+
+// x / sqrt(mean(x^2) + eps) * weight, per row, summed in a fixed order.
+inline torch::Tensor rms_norm(const torch::Tensor& h, const torch::Tensor& weight, float eps) {
+  const int64_t M = h.size(0), H = h.size(1);
+  auto out = torch::empty_like(h);
+  const float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* x = hp + m * H;
+      const float variance = dot_row(x, x, H) / static_cast<float>(H);
+      const float r = 1.0f / std::sqrt(variance + eps);
+      for (int64_t i = 0; i < H; ++i) op[m * H + i] = wp[i] * (x[i] * r);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place on x [M, heads * D] with cos, sin [M, D] (transformers' rotate_half
+// layout: the first half of each head's dimensions pairs with the second).
+inline void rotate(torch::Tensor& x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t M = x.size(0), half = D / 2;
+  float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = xp + (m * heads + h) * D;
+      const float* c = cos + m * D;
+      const float* s = sin + m * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+}
+
+struct DecoderLayer {
+  torch::Tensor input_norm, post_attention_norm;
+  double eps;
+  LinearRef q, k, v, o, gate, up, down;
+  int64_t heads, kv_heads, head_dim;
+  double scale;  // attention scores are q.k times this
+
+  // x = rms_norm(h) and, when every consumer is a q8 layer, x rounded to 8 bits once.
+  std::pair<torch::Tensor, c10::optional<QuantizedRows>> normed(const torch::Tensor& h, const torch::Tensor& w,
+                                                                 std::initializer_list<const LinearRef*> users) const {
+    torch::Tensor x = rms_norm(h, w, static_cast<float>(eps));
+    bool q8 = true;
+    for (const LinearRef* l : users) q8 = q8 && l->kind == kQ8Kind;
+    if (!q8) return {x, c10::nullopt};
+    return {x, quantize_rows(x)};
+  }
+
+  // h [M, H] at positions given by cos/sin [M, D]; keys, values [kv_heads, max_len, D] (this
+  // layer's cache, strided views are fine); this pass's keys and values are written at rows
+  // start..start+M-1. mask: None (row m sees keys 0..start+m) or bool [M, start+M].
+  torch::Tensor attention(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                          torch::Tensor values, int64_t start, c10::optional<torch::Tensor> mask) const {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.dtype() == torch::kFloat32, "h must be [M, H] float32");
+    const int64_t M = h.size(0), D = head_dim, L = start + M;
+    TORCH_CHECK(keys.size(1) >= L && keys.stride(2) == 1 && values.stride(2) == 1, "cache too short");
+    cos = cos.reshape({M, D}).contiguous();
+    sin = sin.reshape({M, D}).contiguous();
+    auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
+    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
+    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
+    rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    for (int64_t hk = 0; hk < kv_heads; ++hk) {
+      keys[hk].slice(0, start, L).copy_(ks.view({M, kv_heads, D}).select(1, hk));
+      values[hk].slice(0, start, L).copy_(vs.view({M, kv_heads, D}).select(1, hk));
+    }
+    torch::Tensor m;
+    if (mask.has_value() && mask->defined()) {
+      m = mask->reshape({M, L}).contiguous();
+      TORCH_CHECK(m.dtype() == torch::kBool, "mask must be bool");
+    }
+    auto out = torch::empty({M, heads * D}, h.options());
+    attend(qs, keys, values, start, m, out);
+    return h + o.forward(out);
+  }
+
+  void attend(const torch::Tensor& qs, const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
+              const torch::Tensor& mask, torch::Tensor& out) const {
+    const int64_t M = qs.size(0), D = head_dim, L = start + M, group = heads / kv_heads;
+    const float* qp = qs.data_ptr<float>();
+    const float* kp = keys.data_ptr<float>();
+    const float* vp = values.data_ptr<float>();
+    const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const float fscale = static_cast<float>(scale);
+    at::parallel_for(0, M * heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores(L);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m = t / heads, h = t % heads, hk = h / group;
+        const bool* row = mp ? mp + m * L : nullptr;
+        const int64_t last = start + m;
+        auto visible = [&](int64_t j) { return row ? row[j] : j <= last; };
+        attend_row(qp + t * D, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
+                   values.stride(1), D, L, fscale, visible, scores.data(), op + t * D);
+      }
+    });
+  }
+
+  torch::Tensor mlp(torch::Tensor h) const {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.dtype() == torch::kFloat32, "h must be [M, H] float32");
+    auto [x, rows] = normed(h, post_attention_norm, {&gate, &up});
+    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
+    torch::Tensor g = gate.forward(x, r), u = up.forward(x, r);
+    float* gp = g.data_ptr<float>();
+    const float* upp = u.data_ptr<float>();
+    at::parallel_for(0, g.numel(), 4096, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * upp[i];
+    });
+    return h + down.forward(g);
+  }
+};
+
+}  // namespace selfspec

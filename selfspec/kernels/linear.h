@@ -1,0 +1,362 @@
+// y = x @ W^T (+ bias) for few rows of x, with W stored in 16-wide column panels.
+//
+// Decoding is memory-bound: every weight is read once per forward pass. A verify pass
+// scores a handful of rows, and BLAS libraries tuned for big matrices handle such skinny
+// products poorly. Here each weight panel is streamed once per k-block while it serves every
+// row, so a pass over a few rows costs about what one row costs.
+//
+// Packed layout: wp[p, k, j] = W[16 * p + j, k]   shape [N / 16, K, 16].
+// Each output is summed over k in increasing order, whatever the number of rows and
+// however the work is split across threads, so row m of the result does not depend on the
+// other rows: a verify pass gives bit for bit the logits a one-token pass gives.
+//
+// The quantized tiles do the same with the weights kept as a GGUF file's small integers (speed
+// mode "gguf"): each weight is rebuilt in registers, just before use, as the exact float32
+// value the file dequantizes to, then summed in the same order as the float tiles. Same
+// weights, same order, same results, bit for bit, from a fifth to a third of the bytes.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "simd.h"
+
+namespace selfspec {
+
+constexpr int kPanel = 16;    // outputs per panel
+constexpr int kGroup = 4;     // panels per unit of parallel work (and panel-count granularity)
+constexpr int kBlockK = 512;  // k-block: a group's weights for one block stay in L2
+#ifndef SELFSPEC_PREFETCH
+#define SELFSPEC_PREFETCH 32
+#endif
+constexpr int kPrefetch = SELFSPEC_PREFETCH;  // k-steps (64 bytes each per panel) to prefetch ahead
+
+constexpr int kVecPerPanel = kPanel / kVec;
+
+// Blocked summation: each k-block's partial sum is added to the total, in k order.
+template <int ROWS, int V>
+__attribute__((always_inline)) inline void store_tile(vec (&acc)[ROWS][V], int64_t p0, float* y, int64_t N, const float* bias, bool first,
+                       bool last) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* out = y + r * N + p0 * kPanel + v * kVec;
+      vec total = first ? acc[r][v] : vadd(vload(out), acc[r][v]);
+      if (last && bias) total = vadd(total, vload(bias + p0 * kPanel + v * kVec));
+      vstore(out, total);
+    }
+}
+
+// Rows [0, ROWS) of x times panels [p0, p0 + PANELS) over k in [k0, k1), into y.
+// All rows share each weight load, so the weights stream from memory once per tile.
+template <int ROWS, int PANELS>
+void tile(const float* x, int64_t K, const float* wp, int64_t p0, int64_t k0, int64_t k1,
+          float* y, int64_t N, const float* bias, bool first, bool last) {
+  constexpr int V = PANELS * kVecPerPanel;
+  vec acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t k = k0; k < k1; ++k) {
+    vec w[V];
+    // Ask for weights a few hundred bytes ahead: when many rows make the loop compute-bound,
+    // the hardware prefetcher alone lets the memory bus idle.
+    for (int g = 0; g < PANELS; ++g)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + ((p0 + g) * K + k + kPrefetch) * kPanel), _MM_HINT_T0);
+    for (int g = 0; g < PANELS; ++g)
+      for (int v = 0; v < kVecPerPanel; ++v)
+        w[g * kVecPerPanel + v] = vload(wp + ((p0 + g) * K + k) * kPanel + v * kVec);
+    for (int r = 0; r < ROWS; ++r) {
+      vec xb = vset1(x[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
+    }
+  }
+  store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
+}
+
+// Quantized panels: each panel's weights as groups of G consecutive k (G = 16 or 32), each
+// group with its own scale (and offset) per lane:
+//   kNibbles (G = 32; Q4_1): per group float scale[16], float offset[16], uint8 q[16][16].
+//   kBytes (G = 16 or 32; Q6_K, Q8_0, Q5_0): per group float scale[16], int8 q[G][16].
+//   kSuperNibbles (G = 32; Q4_K): per 256 k, half d[16], half dmin[16], then 8 groups of
+//       uint8 sc[16], uint8 m[16], uint8 q[16][16]; scale = d * sc, offset = -(dmin * m),
+//       float32 products as ggml computes them (a quarter fewer bytes than float scales).
+// In nibble formats byte j of q[t] holds lane j's integer for k = 2t (low nibble) and k = 2t + 1.
+// w = scale * q + offset: scale * q is exact in float32 (scale has at most 18 significant bits,
+// q at most 8), so the fused multiply-add rounds once, like ggml's dequantization does: w is
+// the float32 weight of the dequantized model, exactly.
+constexpr int kNibbles = 0;
+constexpr int kBytes = 1;
+constexpr int kSuperNibbles = 2;
+
+#ifndef SELFSPEC_QPREFETCH
+#define SELFSPEC_QPREFETCH 4096
+#endif
+constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
+
+template <int FORMAT, int G>
+struct Layout {
+  static constexpr bool kNibbleQ = FORMAT != kBytes;
+  static constexpr int64_t kGroupHeader = FORMAT == kNibbles ? 8 * kPanel : FORMAT == kBytes ? 4 * kPanel : 2 * kPanel;
+  static constexpr int64_t kGroupBytes = kGroupHeader + (kNibbleQ ? G / 2 : G) * kPanel;
+  static constexpr int64_t kSuperGroups = 256 / G;
+  static constexpr int64_t kSuperHeader = 4 * kPanel;  // d and dmin, 16 halves each
+  static constexpr int64_t kSuperBytes = kSuperHeader + kSuperGroups * kGroupBytes;
+
+  static int64_t panel_bytes(int64_t K) {
+    return FORMAT == kSuperNibbles ? K / 256 * kSuperBytes : K / G * kGroupBytes;
+  }
+  static const uint8_t* group(const uint8_t* panel, int64_t gi) {
+    if constexpr (FORMAT == kSuperNibbles)
+      return panel + gi / kSuperGroups * kSuperBytes + kSuperHeader + gi % kSuperGroups * kGroupBytes;
+    return panel + gi * kGroupBytes;
+  }
+  // As group(), asking for the bytes kQuantPrefetch ahead in the panel's stream: with many rows the
+  // loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle.
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
+    const uint8_t* rec = group(panel, gi);
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+    return rec;
+  }
+  // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale and offset.
+  static void scales(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
+    const uint8_t* rec = group(panel, gi);
+    if constexpr (FORMAT == kSuperNibbles) {
+      const uint8_t* super = panel + gi / kSuperGroups * kSuperBytes;
+      scale = vmul(f16_to_vec(super + 2 * v * kVec), u8_to_vec(rec + v * kVec));
+      offset = vneg(vmul(f16_to_vec(super + 2 * kPanel + 2 * v * kVec), u8_to_vec(rec + kPanel + v * kVec)));
+    } else {
+      const float* header = reinterpret_cast<const float*>(rec);
+      scale = vload(header + v * kVec);
+      offset = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
+    }
+  }
+};
+
+// One weight vector rebuilt from its integers: lanes [v * kVec, (v + 1) * kVec) of a panel.
+inline void nibble_weights(const uint8_t* q, vec scale, vec offset, vec& w_even, vec& w_odd) {
+  vec lo, hi;
+  nibbles_to_vec(q, lo, hi);
+  w_even = vfma(scale, lo, offset);
+  w_odd = vfma(scale, hi, offset);
+}
+inline vec byte_weights(const uint8_t* q, vec scale) { return vmul(scale, i8_to_vec(q)); }
+
+// As tile(), over quantized panels: same accumulation order, so the same sums bit for bit.
+template <int FORMAT, int G, int ROWS, int PANELS>
+void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0, int64_t k1,
+           float* y, int64_t N, const float* bias, bool first, bool last) {
+  using L = Layout<FORMAT, G>;
+  constexpr int V = PANELS * kVecPerPanel;
+  const int64_t panel_bytes = L::panel_bytes(K);
+  vec acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  for (int64_t g0 = k0; g0 < k1; g0 += G) {
+    const uint8_t* q[PANELS];
+    vec scale[V], offset[V];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecPerPanel; ++v)
+        L::scales(panel, g0 / G, v, scale[g * kVecPerPanel + v], offset[g * kVecPerPanel + v]);
+      q[g] = rec + L::kGroupHeader;
+    }
+    // Every loop inside a group is fully unrolled: the accumulators then stay in registers for the
+    // whole k-block (GCC otherwise stores them to the stack after each step of an inner loop).
+    if constexpr (L::kNibbleQ) {
+#pragma GCC unroll 16
+      for (int t = 0; t < G / 2; ++t) {
+        vec w0[V], w1[V];
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i)
+          nibble_weights(q[i / kVecPerPanel] + t * kPanel + i % kVecPerPanel * kVec, scale[i], offset[i], w0[i],
+                         w1[i]);
+        const float* xk = x + g0 + 2 * t;
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w0[v], acc[r][v]);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K + 1]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w1[v], acc[r][v]);
+        }
+      }
+    } else {
+#pragma GCC unroll 32
+      for (int t = 0; t < G; ++t) {
+        vec w[V];
+#pragma GCC unroll 16
+        for (int i = 0; i < V; ++i)
+          w[i] = byte_weights(q[i / kVecPerPanel] + t * kPanel + i % kVecPerPanel * kVec, scale[i]);
+        const float* xk = x + g0 + t;
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const vec xb = vset1(xk[r * K]);
+#pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
+        }
+      }
+    }
+  }
+  store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
+}
+
+template <typename W>
+using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, int64_t, float*, int64_t,
+                        const float*, bool, bool);
+
+// max_rows<ACC, PANELS>: the most rows whose accumulators fit in registers beside PANELS panels.
+template <int ACC, int PANELS>
+constexpr int max_rows() { return ACC / (PANELS * kVecPerPanel) > 0 ? ACC / (PANELS * kVecPerPanel) : 1; }
+
+// Rebuilding quantized weights needs registers for scales, offsets and two weight vectors per panel.
+constexpr int kQuantAccumulators = kVec == 16 ? 12 : 6;
+constexpr int kQuantMaxPanels = kVec == 16 ? 4 : 1;
+
+template <int PANELS, int... R>
+constexpr std::array<TileFn<float>, sizeof...(R)> tile_table(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, PANELS>...};
+}
+
+template <int FORMAT, int G, int PANELS, int... R>
+constexpr std::array<TileFn<uint8_t>, sizeof...(R)> qtile_table(std::integer_sequence<int, R...>) {
+  return {&qtile<FORMAT, G, R + 1, PANELS>...};
+}
+
+template <int PANELS>
+struct FloatTiles {
+  static constexpr int kRows = max_rows<kAccumulators, PANELS>();
+  static TileFn<float> get(int rows) {
+    static constexpr auto table = tile_table<PANELS>(std::make_integer_sequence<int, kRows>{});
+    return table[rows - 1];
+  }
+};
+
+template <int FORMAT, int G>
+struct QuantTiles {
+  template <int PANELS>
+  struct With {
+    static constexpr int kRows = max_rows<kQuantAccumulators, PANELS>();
+    static TileFn<uint8_t> get(int rows) {
+      static constexpr auto table = qtile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
+      return table[rows - 1];
+    }
+  };
+};
+
+// Fewer rows: more panels per tile (more independent accumulators to hide FMA latency).
+// More rows: fewer panels, so every row still shares each weight load.
+// The tile shape never changes the order of any output's sum.
+template <typename W, template <int> class Tiles, int PANELS>
+void run_group(const float* x, int64_t M, int64_t K, const W* wp, int64_t p_begin, float* y, int64_t N,
+               const float* bias) {
+  constexpr int R = Tiles<PANELS>::kRows;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = std::min(K, k0 + kBlockK);
+    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
+      for (int64_t m0 = 0; m0 < M; m0 += R) {
+        const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
+        Tiles<PANELS>::get(rows)(x + m0 * K, K, wp, p0, k0, k1, y + m0 * N, N, bias, k0 == 0, k1 == K);
+      }
+  }
+}
+
+using GroupFn = void (*)(const float*, int64_t, int64_t, const void*, int64_t, float*, int64_t, const float*);
+
+template <typename W, template <int> class Tiles, int PANELS>
+void run_group_erased(const float* x, int64_t M, int64_t K, const void* wp, int64_t p_begin, float* y, int64_t N,
+                      const float* bias) {
+  run_group<W, Tiles, PANELS>(x, M, K, static_cast<const W*>(wp), p_begin, y, N, bias);
+}
+
+template <typename W, template <int> class Tiles, int MAX_PANELS>
+GroupFn group_for_rows(int64_t M) {
+  if (MAX_PANELS >= 4 && M <= Tiles<4>::kRows) return &run_group_erased<W, Tiles, 4>;
+  if (MAX_PANELS >= 2 && M <= Tiles<2>::kRows) return &run_group_erased<W, Tiles, 2>;
+  return &run_group_erased<W, Tiles, 1>;
+}
+
+const float* bias_pointer(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+              "bias must be ", N, " contiguous float32 values");
+  return bias->data_ptr<float>();
+}
+
+torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, GroupFn run,
+                             const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = P * kPanel;
+  auto y = torch::empty({M, N}, x.options());
+  const float* bp = bias_pointer(bias, N);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) run(xp, M, K, wp, g * kGroup, yp, N, bp);
+  });
+  return y;
+}
+
+// f(format, group) with both as compile-time constants, for a runtime (format, group).
+template <typename F>
+auto with_format(int64_t format, int64_t group, F&& f) {
+  using std::integral_constant;
+  TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
+              "unsupported quantized format ", format, " with groups of ", group);
+  if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});
+  if (format == kNibbles) return f(integral_constant<int, kNibbles>{}, integral_constant<int, 32>{});
+  if (group == 16) return f(integral_constant<int, kBytes>{}, integral_constant<int, 16>{});
+  return f(integral_constant<int, kBytes>{}, integral_constant<int, 32>{});
+}
+
+int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
+  const int64_t multiple = format == kSuperNibbles ? 256 : group;
+  TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
+  return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
+}
+
+void check_quantized_operands(const torch::Tensor& x, const torch::Tensor& wq, int64_t format, int64_t group) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be 2-d float32");
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, x.size(1)),
+              "x has ", x.size(1), " features, which does not match the quantized weight");
+  TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+}
+
+// Panels [0, P) rebuilt as float32, laid out like pack_weight: [P, K, 16].
+template <int FORMAT, int G>
+void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
+  using L = Layout<FORMAT, G>;
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const uint8_t* q = L::group(panel, g0 / G) + L::kGroupHeader;
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      vec scale, offset;
+      L::scales(panel, g0 / G, v, scale, offset);
+      for (int t = 0; t < (L::kNibbleQ ? G / 2 : G); ++t) {
+        if constexpr (L::kNibbleQ) {
+          vec w0, w1;
+          nibble_weights(q + t * kPanel + v * kVec, scale, offset, w0, w1);
+          vstore(out + (g0 + 2 * t) * kPanel + v * kVec, w0);
+          vstore(out + (g0 + 2 * t + 1) * kPanel + v * kVec, w1);
+        } else {
+          vstore(out + (g0 + t) * kPanel + v * kVec, byte_weights(q + t * kPanel + v * kVec, scale));
+        }
+      }
+    }
+  }
+}
+
+
+
+}  // namespace selfspec

@@ -1,0 +1,41 @@
+// selfspec's CPU kernel, compiled for the machine on first use (selfspec/kernels/__init__.py):
+//   linear.h     float32 and quantized panels, few rows at a time, rows independent of each other
+//   q8.h         the GGUF file's integers times activations rounded to 8 bits (speed mode gguf-q8)
+//   attention.h  attention one query row at a time
+//   ops.h        the entry points torch calls
+//   layers.h     a whole pre-norm decoder sublayer (norm, projections, rotary, attention, MLP) per call
+#include "layers.h"
+
+namespace py = pybind11;
+using namespace selfspec;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");
+  m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias), W as quantized 16-wide panels");
+  m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [P, K, 16]");
+  m.def("quant_panel_bytes", &quant_panel_bytes, "bytes per quantized panel");
+  m.def("panels_per_group", &panels_per_group, "panel count granularity");
+  m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
+  m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
+  m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has its AVX-512 VNNI path in this build");
+  m.def("rms_norm", [](torch::Tensor h, torch::Tensor w, double eps) { return rms_norm(h.contiguous(), w, eps); },
+        "x / sqrt(mean(x^2) + eps) * w, row by row");
+  py::class_<LinearRef>(m, "LinearRef")
+      .def(py::init<int64_t, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>, int64_t, int64_t,
+                    int64_t>(),
+           py::arg("kind"), py::arg("weight"), py::arg("format"), py::arg("group"), py::arg("bias"),
+           py::arg("in_features"), py::arg("out_features"), py::arg("max_rows"))
+      .def("__call__", [](const LinearRef& l, torch::Tensor x) { return l.forward(x.contiguous()); });
+  py::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, double, LinearRef, LinearRef, LinearRef, LinearRef, LinearRef,
+                    LinearRef, LinearRef, int64_t, int64_t, int64_t, double>(),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("q"), py::arg("k"),
+           py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"))
+      .def("attention", &DecoderLayer::attention, "h + the attention sublayer of h (writes this pass's keys/values)",
+           py::call_guard<py::gil_scoped_release>())
+      .def("mlp", &DecoderLayer::mlp, "h + the MLP sublayer of h", py::call_guard<py::gil_scoped_release>());
+  m.attr("PACKED_KIND") = kPackedKind;
+  m.attr("QUANT_KIND") = kQuantKind;
+  m.attr("Q8_KIND") = kQ8Kind;
+}

@@ -1,0 +1,151 @@
+// The kernel's entry points as torch sees them: linear layers over panels (float32, quantized,
+// 8-bit activations) and attention one query row at a time.
+#pragma once
+
+#include "attention.h"
+#include "linear.h"
+#include "q8.h"
+
+namespace selfspec {
+
+inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && wp.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");
+  TORCH_CHECK(x.size(1) == wp.size(1), "x has ", x.size(1), " features, weight expects ", wp.size(1));
+  TORCH_CHECK(wp.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+  x = x.contiguous();
+  return run_all_groups(x, wp.data_ptr<float>(), wp.size(0),
+                        group_for_rows<float, FloatTiles, 4>(x.size(0)), bias);
+}
+
+inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor wq, int64_t format, int64_t group,
+                           c10::optional<torch::Tensor> bias) {
+  check_quantized_operands(x, wq, format, group);
+  x = x.contiguous();
+  const GroupFn run = with_format(format, group, [&](auto f, auto g) {
+    using Tiles = QuantTiles<decltype(f)::value, decltype(g)::value>;
+    return group_for_rows<uint8_t, Tiles::template With, kQuantMaxPanels>(x.size(0));
+  });
+  return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0), run, bias);
+}
+
+inline torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t group, int64_t K) {
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  const int64_t panel_bytes = quant_panel_bytes(format, group, K);
+  TORCH_CHECK(wq.size(1) == panel_bytes, "quantized weight does not hold ", K, " features");
+  const int64_t P = wq.size(0);
+  auto out = torch::empty({P, K, kPanel}, torch::dtype(torch::kFloat32));
+  const uint8_t* src = wq.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  auto fn = with_format(format, group, [](auto f, auto g) { return &dequantize_panel<decltype(f)::value, decltype(g)::value>; });
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
+  });
+  return out;
+}
+
+inline int64_t panels_per_group() { return kGroup; }
+
+// Rows already rounded to 8 bits (``quantize_rows``) times quantized panels in the q8 arrangement:
+// inputs shared by several layers (q, k and v; gate and up) are rounded once.
+inline torch::Tensor q8_linear_rows(const QuantizedRows& a, const torch::Tensor& wq, int64_t format,
+                                    int64_t group, const c10::optional<torch::Tensor>& bias, bool reference) {
+  const int64_t M = a.q.size(0), K = a.q.size(1), P = wq.size(0), N = P * kPanel;
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, K),
+              "x has ", K, " features, which does not match the quantized weight");
+  const float* bp = bias_pointer(bias, N);
+  auto y = torch::empty({M, N}, torch::dtype(torch::kFloat32));
+  if (M == 0) return y;
+  with_format(format, group, [&](auto f, auto g) {
+    q8_run<decltype(f)::value, decltype(g)::value>(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp,
+                                                   reference || !kHaveVnni);
+    return 0;
+  });
+  return y;
+}
+
+// x [M, K] float32 times quantized panels in the q8 arrangement (speed mode gguf-q8).
+// reference: the scalar path (the vector tiles must give the same bits).
+inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format, int64_t group,
+                               c10::optional<torch::Tensor> bias, bool reference) {
+  check_quantized_operands(x, wq, format, group);
+  x = x.contiguous();
+  return q8_linear_rows(quantize_rows(x), wq, format, group, bias, reference);
+}
+
+inline bool q8_vectorized() { return kHaveVnni; }
+
+
+// q [B, Hq, M, D]; k, v [B, Hkv, L, D] (Hq a multiple of Hkv); mask None or [B|1, Hq|1, M, L], bool
+// (true: may attend) or float (added to the scores). Without a mask: row i sees keys 0..i when
+// causal and M > 1 (transformers' is_causal), else every key. Returns [B, M, Hq, D].
+inline torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                             double scale, bool causal) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "float32 only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "bad attention shapes");
+  const int64_t B = q.size(0), Hq = q.size(1), M = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0, "bad attention shapes");
+  // Read in place through strides: the runner's cache hands out views of longer buffers, and a
+  // copy of every cached key and value per layer and pass is what this is here to avoid.
+  const auto rows_in_place = [](const torch::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  q = rows_in_place(q);
+  k = rows_in_place(k);
+  v = rows_in_place(v);
+  torch::Tensor m;
+  const bool has_mask = mask.has_value() && mask->defined();
+  if (has_mask) {
+    TORCH_CHECK(mask->dim() == 4 && (mask->dtype() == torch::kBool || mask->dtype() == torch::kFloat32),
+                "mask must be 4-d bool or float32");
+    m = mask->expand({B, Hq, M, L});
+  }
+  const bool* mask_bool = has_mask && m.scalar_type() == torch::kBool ? m.data_ptr<bool>() : nullptr;
+  const float* mask_float = has_mask && m.scalar_type() == torch::kFloat32 ? m.data_ptr<float>() : nullptr;
+  const std::array<int64_t, 4> ms = has_mask ? std::array<int64_t, 4>{m.stride(0), m.stride(1), m.stride(2), m.stride(3)}
+                                             : std::array<int64_t, 4>{0, 0, 0, 0};
+  auto out = torch::empty({B, M, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = Hq / Hkv;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hq * M, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(L);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / (Hq * M), h = t / M % Hq, i = t % M;
+      const float* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+      const float* kh = kp + b * k.stride(0) + h / group * k.stride(1);
+      const float* vh = vp + b * v.stride(0) + h / group * v.stride(1);
+      const int64_t visible = !has_mask && causal && M > 1 ? std::min(L, i + 1) : L;
+      const int64_t mask_row = has_mask ? b * ms[0] + h * ms[1] + i * ms[2] : 0;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) {
+        float s = dot_row(qi, kh + j * k.stride(2), D) * fscale;
+        if (mask_bool) {
+          if (!mask_bool[mask_row + j * ms[3]]) s = -INFINITY;
+        } else if (mask_float) {
+          s += mask_float[mask_row + j * ms[3]];
+        }
+        scores[j] = s;
+        best = std::max(best, s);
+      }
+      float* oi = op + ((b * M + i) * Hq + h) * D;
+      std::fill(oi, oi + D, 0.0f);
+      if (best == -INFINITY) continue;  // nothing visible: zeros
+      float total = 0.0f;
+      for (int64_t j = 0; j < visible; ++j) {
+        if (scores[j] == -INFINITY) continue;
+        const float p = std::exp(scores[j] - best);
+        total += p;
+        axpy_row(p, vh + j * v.stride(2), oi, D);
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace selfspec

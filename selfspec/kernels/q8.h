@@ -1,0 +1,286 @@
+#pragma once
+
+#include <cstring>
+
+#include "linear.h"
+
+namespace selfspec {
+
+// ---------------------------------------------------------------------------------------------
+// Speed mode "gguf-q8": the file's integers times activations rounded to 8 bits, summed with
+// integer dot products (AVX-512 VNNI: 64 byte products per instruction instead of 16 float
+// multiply-adds), as llama.cpp does. This changes the numerics: not the float32 model's logits.
+//
+// Activations, per row and per block of 32 k: d = max|x| / 127, a = nearbyint(x * (127 / max|x|))
+// as int8 (all zero when max|x| is 0), and the sums S of a over each 16 k.
+// Weights: the layouts above, except how each group's integers are arranged: per 4 consecutive k,
+// 16 lanes x 4 bytes (one vpdpbusd operand). Nibble formats: vector t of a group holds k = 4t..4t+3
+// in its low nibbles and k = G/2 + 4t.. in its high nibbles. Byte formats hold q + 128 as uint8.
+// Per group g of output n and row m, in k order (one rounding per step, whatever the tile shape or
+// instruction set, so rows never depend on each other and the fallback gives the same bits):
+//   I = sum_k q[n, k] * a[m, k]  (exact int32)   - 128 * S    for byte formats
+//   y = fma(float(I), scale[n, g] * d[m, b(g)], y)
+//   y = fma(offset[n, g], d[m, b(g)] * float(S), y)          for formats with an offset
+// then y + bias.
+constexpr int kActBlock = 32;
+
+struct QuantizedRows {
+  torch::Tensor q;       // [M, K] int8
+  torch::Tensor d;       // [M, K / 32] float32
+  torch::Tensor sums16;  // [M, K / 16] int32
+  // The same, arranged for the vector tiles: rows interleaved, so that every row of a tile is
+  // reached from one pointer plus a constant offset.
+  torch::Tensor quads;  // [K / 4, M] int32: a[m, 4i..4i+3] as one little-endian word
+  torch::Tensor d_t;    // [K / 32, M] float32: d
+  torch::Tensor s16;    // [K / 16, M] int32: S over those 16 k
+  torch::Tensor s32;    // [K / 32, M] int32: S over those 32 k
+  torch::Tensor ds32;   // [K / 32, M] float32: d * float(S over those 32 k)
+};
+
+inline QuantizedRows quantize_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kActBlock == 0, "in_features ", K, " is not a multiple of ", kActBlock);
+  const auto f32 = torch::kFloat32;
+  QuantizedRows out{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kActBlock}, f32),
+                    torch::empty({M, K / 16}, torch::kInt32), torch::empty({K / 4, M}, torch::kInt32),
+                    torch::empty({K / kActBlock, M}, f32), torch::empty({K / 16, M}, torch::kInt32),
+                    torch::empty({K / kActBlock, M}, torch::kInt32), torch::empty({K / kActBlock, M}, f32)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = out.q.data_ptr<int8_t>();
+  float* dp = out.d.data_ptr<float>();
+  int32_t* sp = out.sums16.data_ptr<int32_t>();
+  int32_t* quads = out.quads.data_ptr<int32_t>();
+  float* d_t = out.d_t.data_ptr<float>();
+  int32_t* s16 = out.s16.data_ptr<int32_t>();
+  int32_t* s32 = out.s32.data_ptr<int32_t>();
+  float* ds32 = out.ds32.data_ptr<float>();
+  const int64_t blocks = K / kActBlock;
+  at::parallel_for(0, M * blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m = b / blocks, i = b % blocks;
+      const float* xb = xp + b * kActBlock;
+      int8_t* qb = qp + b * kActBlock;
+      float amax = 0.0f;
+      for (int j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float d = amax / 127.0f;
+      dp[b] = d;
+      int32_t s0 = 0, s1 = 0;
+      for (int j = 0; j < kActBlock; ++j) {
+        const int8_t a = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+        qb[j] = a;
+        (j < 16 ? s0 : s1) += a;
+      }
+      sp[2 * b] = s0;
+      sp[2 * b + 1] = s1;
+      for (int j = 0; j < kActBlock / 4; ++j) {
+        int32_t word;
+        std::memcpy(&word, qb + 4 * j, 4);
+        quads[(i * (kActBlock / 4) + j) * M + m] = word;
+      }
+      d_t[i * M + m] = d;
+      s16[(2 * i) * M + m] = s0;
+      s16[(2 * i + 1) * M + m] = s1;
+      s32[i * M + m] = s0 + s1;
+      ds32[i * M + m] = d * static_cast<float>(s0 + s1);
+    }
+  });
+  return out;
+}
+
+template <int G>
+inline int32_t group_sum(const int32_t* sums16, int64_t g0) {
+  return G == 16 ? sums16[g0 / 16] : sums16[g0 / 16] + sums16[g0 / 16 + 1];
+}
+
+// Scalar version of the formula: the reference the vector tiles are tested against, and the
+// path on CPUs without AVX-512 VNNI.
+template <int FORMAT, int G>
+void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                        int64_t N, const float* bias) {
+  using L = Layout<FORMAT, G>;
+  const int8_t* aq = a.q.data_ptr<int8_t>();
+  const float* ad = a.d.data_ptr<float>();
+  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kPanel] = {};
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      float scale[kPanel], offset[kPanel];
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        vec s, o;
+        L::scales(panel, g0 / G, v, s, o);
+        vstore(scale + v * kVec, s);
+        vstore(offset + v * kVec, o);
+      }
+      const uint8_t* q = L::group(panel, g0 / G) + L::kGroupHeader;
+      const int8_t* am = aq + m * K + g0;
+      const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
+      const int32_t S = group_sum<G>(as + m * (K / 16), g0);
+      for (int j = 0; j < kPanel; ++j) {
+        int32_t I = 0;
+        for (int kk = 0; kk < G; ++kk) {
+          int32_t w;
+          if constexpr (L::kNibbleQ) {
+            const uint8_t byte = q[(kk % (G / 2)) / 4 * 64 + j * 4 + kk % 4];
+            w = kk < G / 2 ? (byte & 15) : (byte >> 4);
+          } else {
+            w = q[kk / 4 * 64 + j * 4 + kk % 4];
+          }
+          I += w * am[kk];
+        }
+        if constexpr (!L::kNibbleQ) I -= 128 * S;
+        acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
+        if constexpr (FORMAT != kBytes) acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+      }
+    }
+    for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr bool kHaveVnni = true;
+
+// Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
+// every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
+// come interleaved by row (QuantizedRows::quads, d_t and, per group, S for byte formats or d * S
+// for nibble formats; offset to this tile's first row, row stride M), so each step reaches every
+// row from one pointer.
+template <int FORMAT, int G, int ROWS, int PANELS>
+void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
+            const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
+  using L = Layout<FORMAT, G>;
+  constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;  // 64-byte weight vectors per group and panel
+  const int64_t panel_bytes = L::panel_bytes(K);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[ROWS][PANELS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const uint8_t* q[PANELS];
+    __m512 scale[PANELS], offset[PANELS];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
+      L::scales(panel, g0 / G, 0, scale[g], offset[g]);
+      q[g] = rec + L::kGroupHeader;
+    }
+    __m512i dot[ROWS][PANELS];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+    const int32_t* a_lo = quads + (g0 / 4) * M;
+    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
+#pragma GCC unroll 8
+    for (int t = 0; t < kSteps; ++t) {
+      __m512i w0[PANELS], w1[PANELS];
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) {
+        const __m512i v = _mm512_loadu_si512(q[g] + t * 64);
+        if constexpr (L::kNibbleQ) {
+          w0[g] = _mm512_and_si512(v, low4);
+          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        } else {
+          w0[g] = v;
+        }
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i a0 = _mm512_set1_epi32(a_lo[t * M + r]);
+#pragma GCC unroll 4
+        for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w0[g], a0);
+        if constexpr (L::kNibbleQ) {
+          const __m512i a1 = _mm512_set1_epi32(a_hi[t * M + r]);
+#pragma GCC unroll 4
+          for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w1[g], a1);
+        }
+      }
+    }
+    const float* dg = d_t + (g0 / kActBlock) * M;
+    const int32_t* sg = static_cast<const int32_t*>(group_sums) + (g0 / G) * M;
+    const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 vd = _mm512_set1_ps(dg[r]);
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) {
+        __m512i I = dot[r][g];
+        if constexpr (!L::kNibbleQ) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sg[r]));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
+        if constexpr (FORMAT != kBytes) acc[r][g] = _mm512_fmadd_ps(offset[g], _mm512_set1_ps(cg[r]), acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) {
+      __m512 out = acc[r][g];
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
+      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
+    }
+}
+
+using Q8TileFn = void (*)(const int32_t*, const float*, const void*, int64_t, int64_t, const uint8_t*, int64_t,
+                          float*, int64_t, const float*);
+
+template <int FORMAT, int G, int PANELS, int... R>
+constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<int, R...>) {
+  return {&q8tile<FORMAT, G, R + 1, PANELS>...};
+}
+
+// Integer and float accumulators for every (row, panel) pair, beside each panel's scale, offset and
+// two weight vectors: at most 12 pairs.
+template <int FORMAT, int G, int PANELS>
+struct Q8Tiles {
+  static constexpr int kRows = 12 / PANELS;
+  static Q8TileFn get(int rows) {
+    static constexpr auto table = q8tile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
+    return table[rows - 1];
+  }
+};
+
+template <int FORMAT, int G, int PANELS>
+void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
+                  int64_t N, const float* bias) {
+  using T = Q8Tiles<FORMAT, G, PANELS>;
+  using L = Layout<FORMAT, G>;
+  const int32_t* quads = a.quads.data_ptr<int32_t>();
+  const float* d_t = a.d_t.data_ptr<float>();
+  // per group: S (byte formats subtract 128 * S) or d * S (nibble formats' offsets)
+  const void* sums = L::kNibbleQ ? static_cast<const void*>(a.ds32.data_ptr<float>())
+                                 : G == 16 ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
+                                           : static_cast<const void*>(a.s32.data_ptr<int32_t>());
+  const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
+  for (int64_t m0 = 0; m0 < M; m0 += T::kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(T::kRows, M - m0));
+    const void* sums_m0 = static_cast<const uint8_t*>(sums) + m0 * elem;
+    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
+      T::get(rows)(quads + m0, d_t + m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
+  }
+}
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
+template <int FORMAT, int G>
+void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y, int64_t N,
+            const float* bias, bool reference) {
+  const int64_t panel_bytes = Layout<FORMAT, G>::panel_bytes(K);
+  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+      if (!reference) {
+        if (M == 1) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
+        else if (M <= 6) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
+        else q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
+        continue;
+      }
+#endif
+      for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
+        q8_reference_panel<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+    }
+  });
+}
+
+
+}  // namespace selfspec

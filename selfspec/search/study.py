@@ -1,0 +1,616 @@
+"""``search_plan``: the study from end to end (calibrate, measure costs, run trials, confirm, write).
+
+The objective, the study and its storage URL follow Optuna's own examples, so several workers
+sharing one storage share one study for free.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from selfspec.decode import check_context
+from selfspec.errors import SelfSpecError
+from selfspec.machine import device_text
+from selfspec.models import KNOWN_MODELS
+from selfspec.paths import user_plan_path
+from selfspec.plan import DraftPolicy, SkipPlan, check_plan_matches, load_plan
+from selfspec.prompts import Prompt, load_prompts
+from selfspec.search.calibration import CalibrationItem, calibration_key, load_or_make_calibration
+from selfspec.search.confirm import confirm_plans
+from selfspec.search.costs import CostModel, measure_costs
+from selfspec.search.report import write_importance_plot, write_report_md
+from selfspec.search.result import SearchResult
+from selfspec.search.space import (
+    DRAFT_VOCAB_CHOICES,
+    MAX_DRAFT_RANGE,
+    THRESHOLD_RANGE,
+    THRESHOLD_STEP,
+    param_name,
+    plan_args,
+    plan_key,
+    warm_starts,
+)
+from selfspec.search.speedmodel import SpeedModel
+from selfspec.search.storage import open_storage, redact, silence_optuna, storage_text
+
+if TYPE_CHECKING:
+    import optuna
+
+    from selfspec.engine import Engine
+
+DEFAULT_PROMPTS = "spec-bench:coding,math_reasoning,math"
+DEFAULT_LIMIT = 1
+DEFAULT_TOKENS = 48
+DEFAULT_TRIALS = 60
+DEFAULT_CONFIRM = 3
+MIN_AGREEMENT = 0.3  # prune a trial whose draft agrees with the target less often than this
+
+
+def stderr_log(message: str) -> None:
+    print(f"[selfspec search] {message}", file=sys.stderr, flush=True)
+
+
+def default_out(model_name: str, speed: str | None = None) -> Path:
+    """A bundled model's plan goes to the user's plan folder (where `generate` looks first);
+    any other model's to ./plan.json."""
+    return user_plan_path(model_name, speed) if model_name in KNOWN_MODELS else Path("plan.json")
+
+
+def _study_slug(model_name: str) -> str:
+    name = Path(model_name).name if ("/" in model_name or os.sep in model_name) else model_name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def _finished(study: optuna.Study) -> tuple[int, int]:
+    from optuna.trial import TrialState
+
+    states = (TrialState.COMPLETE, TrialState.PRUNED)
+    trials = study.get_trials(deepcopy=False, states=states)
+    complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
+    return complete, len(trials) - complete
+
+
+def ranked_trials(study: optuna.Study, num_layers: int) -> list:
+    """Completed trials, best predicted first, one per distinct plan."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    done = sorted((t for t in done if t.value is not None), key=lambda t: (-t.value, t.number))
+    seen, out = set(), []
+    for t in done:
+        key = json.dumps(plan_args(t.params, num_layers), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def _check_settings(trials: int, tokens: int, confirm: int, limit, timeout) -> None:
+    if trials < 1:
+        raise SelfSpecError(f"--trials must be at least 1, got {trials}")
+    if tokens < 4:
+        raise SelfSpecError(f"--tokens must be at least 4, got {tokens}")
+    if confirm < 0:
+        raise SelfSpecError(f"--confirm must be 0 or more, got {confirm}")
+    if limit is not None and limit < 1:
+        raise SelfSpecError(f"--limit must be at least 1, got {limit}")
+    if timeout is not None and timeout <= 0:
+        raise SelfSpecError(f"--timeout must be positive, got {timeout}")
+
+
+def _prompt_list(prompts, limit: int | None) -> tuple[list[Prompt], str]:
+    """(prompts, how to describe them) from a prompt spec or a list of Prompt objects or strings."""
+    if isinstance(prompts, (str, Path)):
+        spec = f"{prompts} (limit {limit} per category)" if limit else str(prompts)
+        return load_prompts(str(prompts), limit=limit), spec
+    given = [
+        p if isinstance(p, Prompt) else Prompt(str(i), "all", str(p)) for i, p in enumerate(prompts)
+    ]
+    return given, f"{len(given)} prompts given in Python"
+
+
+def _current_plan(out: Path, engine: Engine) -> SkipPlan | None:
+    """The plan already at ``out`` (the search's first warm start), refusing one for another model."""
+    if not out.exists():
+        return None
+    try:
+        current = load_plan(out)
+        check_plan_matches(current, engine.identity, source=str(out))
+    except SelfSpecError as exc:
+        raise SelfSpecError(
+            f"--out {out} already holds a plan this search would overwrite, but it cannot be used "
+            f"for {engine.loaded.name}: {exc}\nPass another --out or remove the file."
+        ) from None
+    return current
+
+
+def _open_study(storage, folder: Path, study_name: str, meta: dict, min_agreement: float):
+    """(study, storage as shown): create or resume the study, refusing one made for other settings."""
+    optuna = silence_optuna()
+    if storage is None:
+        storage = f"sqlite:///{folder / 'study.db'}"
+    shown = storage_text(storage) if isinstance(storage, str) else type(storage).__name__
+    storage_obj = open_storage(storage) if isinstance(storage, str) else storage
+    pruner = optuna.pruners.ThresholdPruner(lower=min_agreement)
+    try:
+        study = optuna.create_study(
+            storage=storage_obj,
+            study_name=study_name,
+            direction="maximize",
+            load_if_exists=True,
+            pruner=pruner,
+        )
+    except Exception as exc:
+        raise SelfSpecError(
+            f"cannot create or load study '{study_name}' in '{shown}' "
+            f"({type(exc).__name__}: {exc})."
+        ) from None
+    existing = study.user_attrs.get("selfspec")
+    if existing is None:
+        study.set_user_attr("selfspec", meta)
+    elif existing.get("calibration_key") != meta["calibration_key"]:
+        raise SelfSpecError(
+            f"study '{study_name}' in '{shown}' was made for other settings (model "
+            f"{existing.get('model')}, prompts {existing.get('prompts')}, {existing.get('tokens')} "
+            "tokens); its scores are not comparable. Pass another --study, or drop --study to get "
+            "one named after these settings."
+        )
+    return study, shown
+
+
+def _study_costs(
+    study: optuna.Study,
+    engine: Engine,
+    items: list[CalibrationItem],
+    repeats: int,
+    log: Callable[[str], None],
+) -> CostModel:
+    """The cost model stored in the study, measured by whichever worker came first."""
+    if "costs" in study.user_attrs:
+        costs = CostModel.from_dict(study.user_attrs["costs"])
+    else:
+        log("measuring costs: plain step, sublayers, verify passes over 1..12 tokens")
+        longest = max(items, key=lambda i: len(i.prompt_ids))
+        context = longest.prompt_ids + longest.continuation[: len(longest.continuation) // 2]
+        costs = measure_costs(engine.runner, context, repeats=repeats)
+        study.set_user_attr("costs", costs.to_dict())
+    log(
+        f"costs: plain step {costs.full_step * 1e3:.1f} ms, attention {costs.attention * 1e3:.2f} "
+        f"ms, MLP {costs.mlp * 1e3:.2f} ms, embed+head {costs.base_step * 1e3:.1f} ms per token; "
+        f"verify over 4 tokens {costs.verify_cost(4, 1) * 1e3:.1f} ms"
+    )
+    return costs
+
+
+class _Objective:
+    """Scores a trial with the speed model; identical parameter sets (TPE repeats itself on
+    booleans) reuse the earlier score instead of evaluating again."""
+
+    def __init__(self, model: SpeedModel, study: optuna.Study, num_layers: int, vocab_choices):
+        self.model, self.L, self.vocab_choices = model, num_layers, list(vocab_choices)
+        self.known: dict[str, tuple] = {}  # params key -> (value or None if pruned, attrs, number)
+        for t in study.get_trials(deepcopy=False):
+            if t.state.name in ("COMPLETE", "PRUNED"):
+                value = t.value if t.state.name == "COMPLETE" else None
+                self.known.setdefault(plan_key(t.params), (value, dict(t.user_attrs), t.number))
+
+    def _suggest(self, trial: optuna.Trial):
+        L = self.L
+        flag = trial.suggest_categorical
+        skip_attention = [i for i in range(L) if flag(param_name("attn", i), [False, True])]
+        skip_mlp = [i for i in range(L) if flag(param_name("mlp", i), [False, True])]
+        max_draft = trial.suggest_int("max_draft_tokens", *MAX_DRAFT_RANGE)
+        threshold = trial.suggest_float(
+            "confidence_threshold", *THRESHOLD_RANGE, step=THRESHOLD_STEP
+        )
+        adaptive = flag("adaptive_threshold", [False, True])
+        draft_vocab = flag("draft_vocab", self.vocab_choices)
+        return skip_attention, skip_mlp, max_draft, round(threshold, 4), adaptive, draft_vocab
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        import optuna
+
+        skip_attention, skip_mlp, max_draft, threshold, adaptive, draft_vocab = self._suggest(trial)
+        key = plan_key(trial.params)
+        if key in self.known:
+            value, attrs, number = self.known[key]
+            for k, v in {**attrs, "duplicate_of": number}.items():
+                trial.set_user_attr(k, v)
+            if value is None:
+                raise optuna.TrialPruned()
+            return value
+        if len(skip_attention) == self.L and len(skip_mlp) == self.L:
+            trial.set_user_attr("agreement", 0.0)
+            self.known[key] = (None, {"agreement": 0.0}, trial.number)
+            raise optuna.TrialPruned()
+
+        def on_prompt(index: int, agreement: float) -> bool:
+            trial.report(agreement, index)
+            return trial.should_prune()
+
+        ev = self.model.evaluate(
+            skip_attention, skip_mlp, max_draft, threshold, adaptive, on_prompt, draft_vocab
+        )
+        attrs = {
+            "agreement": round(ev.agreement, 4),
+            "acceptance": round(ev.sim.acceptance_rate, 4),
+            "mean_accepted_length": round(ev.sim.mean_accepted_length, 4),
+            "draft_step_ms": round(ev.draft_step * 1e3, 3),
+            "skipped_attention": len(skip_attention),
+            "skipped_mlp": len(skip_mlp),
+        }
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        self.known[key] = (None if ev.pruned else ev.sim.speedup, attrs, trial.number)
+        if ev.pruned:
+            raise optuna.TrialPruned()
+        return ev.sim.speedup
+
+
+def _enqueue_warm_starts(
+    study: optuna.Study, starts: list[dict], known: dict, remaining: int
+) -> None:
+    enqueued = 0
+    existing = {plan_key(t.params) for t in study.trials}
+    for params in starts:
+        if enqueued >= remaining:
+            break
+        if plan_key(params) in known or plan_key(params) in existing:
+            continue
+        study.enqueue_trial(params, skip_if_exists=True)
+        enqueued += 1
+
+
+def _progress_bar(remaining: int, progress: bool | None):
+    from tqdm.auto import tqdm
+
+    if progress is None:
+        progress = os.environ.get("SELFSPEC_NO_PROGRESS") != "1"
+    bar = tqdm(
+        total=remaining, desc="search", unit="trial", disable=not progress, dynamic_ncols=True
+    )
+
+    def update(study, _trial) -> None:
+        bar.update(1)
+        try:
+            best = study.best_trial
+            bar.set_postfix_str(
+                f"best {best.value:.2f}x acc {best.user_attrs.get('acceptance', 0):.2f}"
+            )
+        except ValueError:
+            pass
+
+    return bar, update
+
+
+def _run_trials(
+    study: optuna.Study,
+    objective: _Objective,
+    starts: list[dict],
+    *,
+    trials: int,
+    remaining: int,
+    seed: int,
+    finished: int,
+    timeout,
+    progress,
+    callbacks,
+    log: Callable[[str], None],
+) -> bool:
+    """Run up to ``remaining`` trials (fewer once the study holds ``trials`` finished ones, counting
+    other workers'). Returns True when interrupted with Ctrl-C."""
+    import optuna
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
+
+    _enqueue_warm_starts(study, starts, objective.known, remaining)
+    # The warm starts are the startup trials; TPE models the study from then on.
+    study.sampler = optuna.samplers.TPESampler(
+        multivariate=True, seed=seed + finished, n_startup_trials=len(starts)
+    )
+    bar, update_bar = _progress_bar(remaining, progress)
+    stop_at_total = MaxTrialsCallback(trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    try:
+        study.optimize(
+            objective,
+            n_trials=remaining,
+            timeout=timeout,
+            callbacks=[update_bar, stop_at_total, *callbacks],
+            gc_after_trial=False,
+        )
+    except KeyboardInterrupt:
+        log("interrupted: keeping the best plan found so far")
+        return True
+    finally:
+        bar.close()
+    return False
+
+
+def _confirm(
+    engine: Engine,
+    items,
+    candidates: list,
+    make_plan,
+    tokens: int,
+    fallback: bool,
+    log: Callable[[str], None],
+) -> tuple[list[dict], int, bool]:
+    """(confirmations, index of the chosen candidate, interrupted)."""
+    log(f"confirming the best {len(candidates)} trial(s) by real generation against plain decoding")
+    try:
+        plans = [make_plan(t) for t in candidates]
+        confirmations = confirm_plans(engine, items, plans, tokens, log, fallback=fallback)
+    except KeyboardInterrupt:
+        log("interrupted during confirmation: writing the best predicted plan unconfirmed")
+        return [], 0, True
+    for c, t in zip(confirmations, candidates):
+        c["trial"], c["predicted_speedup"] = t.number, round(t.value, 4)
+    chosen = max(range(len(confirmations)), key=lambda i: confirmations[i]["measured_speedup"])
+    confirmations[chosen]["chosen"] = True
+    return confirmations, chosen, False
+
+
+def _provenance(engine: Engine, best, chosen: dict | None, settings: dict) -> dict:
+    measured = chosen["measured_speedup"] if chosen else None
+    return {
+        "how": redact(settings["how"]),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device_text(engine.loaded.device, _torch_threads()),
+        "dtype": str(engine.loaded.dtype).replace("torch.", ""),
+        "speed_mode": engine.loaded.speed,
+        **{
+            k: settings[k]
+            for k in (
+                "prompts",
+                "prompt_count",
+                "chat_template",
+                "tokens",
+                "study",
+                "storage",
+                "trials",
+            )
+        },
+        "trial": best.number,
+        "predicted_speedup": round(best.value, 4),
+        "predicted_acceptance_rate": best.user_attrs.get("acceptance"),
+        "predicted_mean_accepted_length": best.user_attrs.get("mean_accepted_length"),
+        "measured_speedup": measured,
+        "measured_speedup_end_to_end": chosen["measured_speedup_end_to_end"] if chosen else None,
+        "mean_accepted_length": chosen["mean_accepted_length"] if chosen else None,
+        "acceptance_rate": chosen["acceptance_rate"] if chosen else None,
+        "measured_with_fallback": settings["confirm_fallback"] if chosen else None,
+        "beats_plain_decoding": (measured > 1.0) if measured is not None else None,
+        "interrupted": settings["interrupted"],
+    }
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _write_report(result: SearchResult, study, ranked, folder: Path, log) -> None:
+    try:
+        result.plot_path = write_importance_plot(
+            study, ranked, result.plan, folder / "importance.png"
+        )
+    except Exception as exc:  # a plot must never lose the plan
+        log(f"could not draw importance.png ({type(exc).__name__}: {exc})")
+    result.report_path = write_report_md(study, ranked, result, folder / "report.md")
+
+
+@dataclass
+class _Prepared:
+    """What a search needs before its first trial."""
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    prompts_spec: str
+    chat: bool
+    out: Path
+    folder: Path
+    current: SkipPlan | None
+
+
+def _prepare(engine: Engine, prompts, limit, tokens, out, chat, prompts_label) -> _Prepared:
+    prompt_list, spec = _prompt_list(prompts, limit)
+    if not prompt_list:
+        raise SelfSpecError("no calibration prompts: the prompt set is empty.")
+    if chat is None:
+        chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    prompt_ids = [engine.encode(p.text, chat=chat) for p in prompt_list]
+    lengths = {f"prompt {p.id}": len(ids) for p, ids in zip(prompt_list, prompt_ids)}
+    # 16 spare positions: a draft can run past the continuation's end
+    check_context(lengths, tokens + 16, engine.runner.context_window, "--tokens")
+    out = Path(out) if out is not None else default_out(engine.loaded.name, engine.loaded.speed)
+    current = _current_plan(out, engine)
+    folder = out.parent if str(out.parent) else Path(".")
+    folder.mkdir(parents=True, exist_ok=True)
+    return _Prepared(prompt_list, prompt_ids, prompts_label or spec, chat, out, folder, current)
+
+
+def search_plan(
+    engine: Engine,
+    prompts=DEFAULT_PROMPTS,
+    *,
+    limit: int | None = DEFAULT_LIMIT,
+    trials: int = DEFAULT_TRIALS,
+    tokens: int = DEFAULT_TOKENS,
+    out: str | Path | None = None,
+    storage=None,
+    study_name: str | None = None,
+    seed: int = 0,
+    timeout: float | None = None,
+    confirm: int = DEFAULT_CONFIRM,
+    confirm_fallback: bool = False,
+    chat: bool | None = None,
+    min_agreement: float = MIN_AGREEMENT,
+    cost_repeats: int = 5,
+    write_report: bool = True,
+    progress: bool | None = None,
+    how: str | None = None,
+    callbacks: Sequence[Callable] = (),
+    log: Callable[[str], None] | None = stderr_log,
+    prompts_label: str | None = None,
+) -> SearchResult:
+    """Search skip plans for ``engine``'s model; write the best to ``out`` (with report.md and
+    importance.png beside it).
+
+    ``prompts``: a prompt spec (``spec-bench:coding,math`` or a .jsonl path; ``limit`` per
+    category), or a list of selfspec.prompts.Prompt or strings. ``out``: default the user's plan
+    folder for a bundled model (``selfspec.paths.user_plan_path``), else ./plan.json.
+    ``storage``: an Optuna storage URL or object (default a SQLite file beside ``out``); the study
+    named ``study_name`` (default from the model and calibration) is resumed if it exists, and only
+    ``trials`` minus its finished trials are run. ``chat``: wrap prompts in the chat template
+    (None: when the tokenizer has one, as `selfspec bench` does). ``confirm``: how many of the best
+    distinct trials to time for real (0: trust the speed model), with the decode loop's fallback to
+    plain decoding off unless ``confirm_fallback``. ``callbacks`` go to study.optimize.
+    """
+    log = log or (lambda message: None)
+    _check_settings(trials, tokens, confirm, limit, timeout)
+    prep = _prepare(engine, prompts, limit, tokens, out, chat, prompts_label)
+    L = engine.identity.num_layers
+    key = calibration_key(engine, prep.prompt_ids, tokens)
+    study_name = study_name or f"{_study_slug(engine.loaded.name)}-{key[:8]}"
+    meta = {
+        "model": engine.loaded.name,
+        "fingerprint": engine.identity.fingerprint,
+        "num_layers": L,
+        "calibration_key": key,
+        "prompts": prep.prompts_spec,
+        "tokens": tokens,
+        "chat": prep.chat,
+    }
+    study, shown = _open_study(storage, prep.folder, study_name, meta, min_agreement)
+    complete, pruned = _finished(study)
+    remaining = max(0, trials - complete - pruned)
+    log(f"study '{study_name}' in {shown}: {complete + pruned} trials done, {remaining} to run")
+
+    items = load_or_make_calibration(
+        engine, prep.prompts, prep.prompt_ids, tokens, key, prep.folder, log
+    )
+    costs = _study_costs(study, engine, items, cost_repeats, log)
+    vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < engine.runner.head_rows]
+    objective = _Objective(SpeedModel(engine, items, costs), study, L, vocab_choices)
+    interrupted = False
+    if remaining:
+        starts = warm_starts(L, prep.current, seed=seed, vocab_choices=vocab_choices)
+        interrupted = _run_trials(
+            study,
+            objective,
+            starts,
+            trials=trials,
+            remaining=remaining,
+            seed=seed,
+            finished=complete + pruned,
+            timeout=timeout,
+            progress=progress,
+            callbacks=callbacks,
+            log=log,
+        )
+    complete, pruned = _finished(study)
+    settings = {
+        "how": how
+        or f"selfspec.search.search_plan(prompts={prep.prompts_spec!r}, "
+        f"trials={trials}, tokens={tokens})",
+        "prompts": prep.prompts_spec,
+        "prompt_count": len(items),
+        "chat_template": prep.chat,
+        "tokens": tokens,
+        "study": study_name,
+        "storage": shown,
+        "trials": complete + pruned,
+        "confirm_fallback": confirm_fallback,
+    }
+    return _choose_and_write(
+        engine,
+        study,
+        items,
+        prep,
+        settings,
+        confirm if not interrupted else 0,
+        interrupted,
+        costs,
+        log,
+        write_report,
+    )
+
+
+def _choose_and_write(
+    engine: Engine,
+    study,
+    items,
+    prep: _Prepared,
+    settings: dict,
+    confirm: int,
+    interrupted: bool,
+    costs: CostModel,
+    log,
+    write_report: bool,
+) -> SearchResult:
+    """Confirm the best trials, write the fastest as the plan, then the report."""
+    L = engine.identity.num_layers
+    ranked = ranked_trials(study, L)
+    if not ranked:
+        complete, pruned = _finished(study)
+        raise SelfSpecError(
+            f"study '{settings['study']}' has no completed trial (all {pruned} were "
+            "pruned or failed): the drafts disagreed with the model too often. Run "
+            "more --trials."
+        )
+
+    def make_plan(trial, provenance=None):
+        sa, sm, policy = plan_args(trial.params, L)
+        return engine.make_plan(
+            sa, sm, DraftPolicy(**policy), provenance=provenance or {"how": "selfspec search"}
+        )
+
+    # A draft that skips nothing is the model itself: a baseline trial, never a plan worth writing.
+    skipping = [t for t in ranked if any(plan_args(t.params, L)[:2])]
+    candidates = (skipping or ranked)[: max(1, confirm)]
+    confirmations, chosen, stopped = [], 0, False
+    if confirm:
+        confirmations, chosen, stopped = _confirm(
+            engine,
+            items,
+            candidates,
+            make_plan,
+            settings["tokens"],
+            settings["confirm_fallback"],
+            log,
+        )
+    best = candidates[chosen]
+    picked = confirmations[chosen] if confirmations else None
+    settings["interrupted"] = interrupted or stopped
+    plan = make_plan(best, _provenance(engine, best, picked, settings))
+    plan.save(prep.out)
+    prov = plan.provenance
+    result = SearchResult(
+        plan,
+        prep.out,
+        None,
+        None,
+        settings["study"],
+        settings["storage"],
+        settings["trials"],
+        *_finished(study),
+        float(best.value),
+        prov["measured_speedup"],
+        prov["beats_plain_decoding"],
+        confirmations,
+        settings["interrupted"],
+        costs,
+        best.number,
+    )
+    if write_report:
+        _write_report(result, study, ranked, prep.folder, log)
+    return result
