@@ -76,7 +76,8 @@ class DecoderAdapter:
         return linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
 
     def gguf_row_order(self, gguf_name: str, rows: int):
-        """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same order)."""
+        """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same
+        order)."""
         return None
 
     def window(self, i: int) -> int | None:
@@ -110,7 +111,8 @@ class LlamaAdapter(DecoderAdapter):
 
 
 class Gemma3Adapter(DecoderAdapter):
-    """Gemma 3: sandwich norms around each sublayer, local/global RoPE per layer type, logit softcap."""
+    """Gemma 3: sandwich norms around each sublayer, local/global RoPE per layer type, logit
+    softcap."""
 
     def position_embeddings(self, hidden, position_ids) -> dict:
         return {t: self.decoder.rotary_emb(hidden, position_ids, t) for t in set(self.layer_types)}
@@ -148,12 +150,14 @@ _ADAPTERS = {
 
 
 def adapter_for(model, fused: list | None = None) -> DecoderAdapter:
-    """The adapter for ``model``'s family; ``fused``: the kernel's layers, for the families that fuse."""
+    """The adapter for ``model``'s family; ``fused``: the kernel's layers, for the families that
+    fuse."""
     model_type = model.config.model_type
     cls = _ADAPTERS.get(model_type)
     if cls is None:
         raise SelfSpecError(
-            f"selfspec has no adapter for model type '{model_type}'. Supported: {', '.join(sorted(_ADAPTERS))}."
+            f"selfspec has no adapter for model type '{model_type}'. Supported: "
+            f"{', '.join(sorted(_ADAPTERS))}."
         )
     return cls(model, fused)
 

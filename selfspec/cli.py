@@ -77,13 +77,25 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-mlp", default=None, help="MLP sublayers to skip (overrides the plan)")
     p.add_argument(
-        "--draft-model", default=None, help="draft with a separate model instead of layer skipping"
+        "--draft",
+        choices=["auto", "ngram", "layer-skip"],
+        default="auto",
+        help=(
+            "auto (default): context n-gram drafts, and layer-skip drafts with the plan where "
+            "they pay, chosen each round from measured costs; ngram: context drafts only; "
+            "layer-skip: the plan's drafts every round"
+        ),
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft with a separate model instead (dual-model drafting)",
     )
     p.add_argument(
         "--max-draft",
         type=int,
         default=None,
-        help="most tokens drafted per round (default: the plan's)",
+        help="most tokens drafted per round (default: 16, or the plan's with --draft layer-skip)",
     )
     p.add_argument(
         "--threshold",
@@ -91,7 +103,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="draft confidence threshold (default: the plan's)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=1024,
+        help="stop after this many new tokens at the latest (default 1024: a whole answer; EOS "
+        "ends it sooner)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -124,27 +142,36 @@ def _drafter_and_plan(engine, args: argparse.Namespace):
         return engine.model_drafter(args.draft_model), None
     if args.baseline:
         return None, None
+    if args.draft == "ngram":
+        return engine.self_drafter(layer_skip=False), None
     plan = resolve_plan(engine, args)
-    if plan is None:
+    if plan is None and args.draft == "layer-skip":
         name = engine.loaded.name
         raise SelfSpecError(
             f"no skip plan for {name}: pass --plan, --skip-attention/--skip-mlp, "
-            f"--baseline, or run `selfspec search --model {name}`."
+            f"--draft auto, or run `selfspec search --model {name}`."
         )
-    return engine.self_drafter(plan), plan
+    if args.draft == "layer-skip":
+        return engine.layer_skip_drafter(plan), plan
+    return engine.self_drafter(plan, layer_skip=plan is not None), plan
 
 
 def _stats_line(method: str, result) -> str:
     s = result.stats
     fell_back = (
-        f"; fell back to plain decoding at token {s.fell_back_at_token}" if s.fell_back else ""
+        f"; drafting paused {s.fallbacks}x (slower than plain decoding), first at token "
+        f"{s.fell_back_at_token}"
+        if s.fell_back
+        else ""
     )
+    sources = ", ".join(f"{name} {a}/{d} in {r} rounds" for name, (r, d, a) in s.sources.items())
     numerics = result.numerics_note
     return (
         f"[selfspec] {method}: {s.new_tokens} tokens in {s.seconds:.2f}s = "
         f"{s.tokens_per_second:.2f} tok/s; {s.target_passes} target passes, mean accepted length "
-        f"{s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})"
-        f"{fell_back}; stop: {s.stop_reason}"
+        f"{s.mean_accepted_length:.2f}, acceptance {s.acceptance_rate:.2f} "
+        f"({s.accepted}/{s.drafted})"
+        f"{f' [{sources}]' if sources else ''}{fell_back}; stop: {s.stop_reason}"
         f"{f'; speed mode {result.speed_mode}: {numerics}' if numerics else ''}"
     )
 
@@ -158,8 +185,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = load_engine(args, _generate_model(args))
     drafter, plan = _drafter_and_plan(engine, args)
     method = "autoregressive" if drafter is None else drafter.name
-    if plan is not None and not args.json:
-        print(f"[selfspec] {plan.describe()}", file=sys.stderr)
+    if drafter is not None and not args.json:
+        print(f"[selfspec] {drafter.describe()}", file=sys.stderr)
     config = engine.decode_config(
         plan,
         max_new_tokens=args.max_new_tokens,

@@ -22,12 +22,14 @@ if TYPE_CHECKING:
     from selfspec.plan import SkipPlan
 
 SPEED_HELP = (
-    "weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same results from "
-    "the GGUF file's quantized weights, a fifth of the memory traffic), gguf-q8 (those weights times "
-    "activations rounded to 8 bits, as llama.cpp does: faster, but not the float32 model's numerics), "
-    "torch (the model as transformers builds it), cuda-graphs (CUDA: fixed-shape passes replayed as "
-    "CUDA graphs), cuda-compiled (the same through torch.compile: faster passes, a minute of "
-    "compiling first) or auto (cuda-graphs on CUDA, packed on a CPU where it builds; default)"
+    "weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same results "
+    "from the GGUF file's quantized weights, a fifth of the memory traffic), gguf-q8 (those "
+    "weights times activations rounded to 8 bits, as llama.cpp does: faster, but not the float32 "
+    "model's numerics), torch (the model as transformers builds it), cuda-graphs (CUDA: "
+    "fixed-shape passes replayed as CUDA graphs), cuda-compiled (the same through torch.compile: "
+    "faster passes, a minute of compiling first) or auto (the fastest this machine runs: "
+    "cuda-graphs on CUDA; on a CPU gguf-q8 with AVX-512 VNNI for a GGUF model, else gguf, packed "
+    "for other models; default)"
 )
 
 
@@ -37,7 +39,9 @@ def add_model_arguments(
     parser.add_argument(
         "--model",
         default=model_default,
-        help=f"bundled model name, local HF folder, local .gguf or hub id (default {model_default})",
+        help=(
+            f"bundled model name, local HF folder, local .gguf or hub id (default {model_default})"
+        ),
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(

@@ -15,7 +15,6 @@ for exactly the committed tokens.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
-from selfspec.drafters import Draft, Drafter, DraftRequest
+from selfspec.drafters import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
 from selfspec.errors import SelfSpecError
 from selfspec.sampling import Sampling, accept_greedy, accept_sampled, sample
 
@@ -55,10 +54,12 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
-    fell_back: bool = False
-    fell_back_at_token: int | None = None
+    fell_back: bool = False  # drafting was paused at least once, slower than plain decoding
+    fell_back_at_token: int | None = None  # when it first was
+    fallbacks: int = 0  # pauses (each ends by trying to draft again)
     final_threshold: float | None = None
     stop_reason: str = ""
+    sources: dict = field(default_factory=dict)  # kind of draft -> [rounds, drafted, accepted]
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,7 +67,8 @@ class DecodeStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target pass, the target's own token included (1.00 for plain decoding)."""
+        """Tokens emitted per target pass, the target's own token included (1.00 for plain
+        decoding)."""
         from_passes = self.new_tokens - 1 if self.new_tokens else 0  # the first comes from prefill
         return from_passes / self.target_passes if self.target_passes else 0.0
 
@@ -79,13 +81,20 @@ class DecodeStats:
         pairs = zip(self.accepted_by_position, self.drafted_by_position)
         return [a / d if d else 0.0 for a, d in pairs]
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, source: str = "") -> None:
         self.target_passes += 1
         self.drafted += drafted
         self.accepted += accepted
         for i in range(drafted):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
+        if drafted:
+            counts = self.sources.setdefault(source or "draft", [0, 0, 0])
+            counts[0], counts[1], counts[2] = (
+                counts[0] + 1,
+                counts[1] + drafted,
+                counts[2] + accepted,
+            )
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -99,7 +108,8 @@ class DecodeStats:
 
 
 class _Stopper:
-    """EOS, stop strings and max_new_tokens, checked after every single token as plain decoding would."""
+    """EOS, stop strings and max_new_tokens, checked after every single token as plain decoding
+    would."""
 
     def __init__(self, config: DecodeConfig, tokenizer):
         self.config = config
@@ -113,35 +123,13 @@ class _Stopper:
         if len(generated) >= self.config.max_new_tokens:
             return "max_new_tokens"
         if self.longest_stop:
-            # Only the tail can hold a newly completed stop string; tokens are at least one character.
+            # Only the tail can hold a newly completed stop string; tokens are at least one
+            # character.
             tail_ids = generated[-(self.longest_stop + 8) :]
             tail = self.tokenizer.decode(tail_ids, skip_special_tokens=False)
             if any(s in tail for s in self.config.stop_strings):
                 return "stop_string"
         return ""
-
-
-class SpeedWatch:
-    """Watches recent speculative rounds and says when speculation is measurably slower than plain
-    decoding: tokens per round x verify time < draft + verify time over the last ``window`` rounds.
-
-    A verify pass over k+1 tokens costs at least a plain step, so using it as the plain step's cost
-    errs towards staying speculative; the loop only falls back when clearly slower.
-    """
-
-    def __init__(self, window: int = 8):
-        self.rounds: deque[tuple[int, float, float]] = deque(maxlen=window)
-
-    def record(self, tokens: int, draft_seconds: float, verify_seconds: float) -> None:
-        self.rounds.append((tokens, draft_seconds, verify_seconds))
-
-    def slower_than_plain(self) -> bool:
-        if len(self.rounds) < (self.rounds.maxlen or 0):
-            return False
-        tokens = sum(r[0] for r in self.rounds)
-        draft_s = sum(r[1] for r in self.rounds)
-        verify_s = sum(r[2] for r in self.rounds)
-        return tokens * verify_s / len(self.rounds) < draft_s + verify_s
 
 
 def check_context(
@@ -250,19 +238,14 @@ def generate_ids(
         threshold = AdaptiveThreshold(
             config.confidence_threshold, config.adaptive_threshold, config.target_acceptance
         )
-        drafter.begin(prompt_ids, max_len, threshold)
+        drafter.begin(prompt_ids, max_len, DraftSettings(threshold, fallback=config.fallback))
 
     t0 = time.perf_counter()
     first = prefill(runner, prompt_ids, config.sampling, generator)
     stats.prefill_seconds = time.perf_counter() - t0
     gen.commit([first])
-    watch = SpeedWatch() if drafter is not None and config.fallback else None
-    speculating = drafter is not None
     while not gen.stop:
-        _round(runner, gen, config, drafter if speculating else None, generator, watch)
-        if watch is not None and speculating and watch.slower_than_plain():
-            speculating = False
-            stats.fell_back, stats.fell_back_at_token = True, len(gen.generated)
+        _round(runner, gen, config, drafter, generator)
 
     stats.seconds = time.perf_counter() - t0
     stats.new_tokens = len(gen.generated)
@@ -271,7 +254,9 @@ def generate_ids(
     return gen.generated, stats
 
 
-def _round(runner, gen: _Generation, config: DecodeConfig, drafter, generator, watch) -> None:
+def _round(
+    runner, gen: _Generation, config: DecodeConfig, drafter: Drafter | None, generator
+) -> None:
     """One round: draft (when a drafter runs and there is room), verify, accept, commit."""
     room = config.max_new_tokens - len(gen.generated)
     t_draft = time.perf_counter()
@@ -284,12 +269,19 @@ def _round(runner, gen: _Generation, config: DecodeConfig, drafter, generator, w
     m, next_token = accept(draft, logits, config.sampling, generator)
     t_end = time.perf_counter()
     k = len(draft.tokens)
-    gen.stats.record_round(k, m)
+    gen.stats.record_round(k, m, draft.source)
     if drafter is not None:
-        drafter.observe(k, m)
+        pauses = drafter.guard.pauses
+        drafter.observe(RoundOutcome(k, m, t_verify - t_draft, t_end - t_verify, draft.source))
+        if drafter.guard.pauses > pauses:
+            _note_fallback(gen.stats, len(gen.generated) + m + 1)
     gen.commit(draft.tokens[:m] + [next_token])
-    if watch is not None and drafter is not None and k:
-        watch.record(m + 1, t_verify - t_draft, t_end - t_verify)
+
+
+def _note_fallback(stats: DecodeStats, at_token: int) -> None:
+    if not stats.fell_back:
+        stats.fell_back, stats.fell_back_at_token = True, at_token
+    stats.fallbacks += 1
 
 
 def _generator(config: DecodeConfig, device) -> torch.Generator | None:
@@ -301,7 +293,8 @@ def _generator(config: DecodeConfig, device) -> torch.Generator | None:
 
 
 def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A draft model's head may be padded to another size; tokens past the shared vocabulary get q = 0."""
+    """A draft model's head may be padded to another size; tokens past the shared vocabulary get q =
+    0."""
     if probs.shape[-1] > vocab:
         probs = probs[..., :vocab]
         return probs / probs.sum(-1, keepdim=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from selfspec.decode import DecodeConfig, DecodeStats, generate_ids
-from selfspec.drafters import Drafter, ModelDrafter, SelfSkipDrafter
+from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
 from selfspec.paths import find_default_plan
@@ -44,7 +44,8 @@ class GenerationResult:
 
     @property
     def numerics_note(self) -> str | None:
-        """How the arithmetic that produced the tokens differs from transformers' own; None: it does not."""
+        """How the arithmetic that produced the tokens differs from transformers' own; None: it does
+        not."""
         return numerics_note(self.speed_mode, self.device_type)
 
     @property
@@ -91,7 +92,8 @@ class Engine:
     def load(
         cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None, speed: str = "auto"
     ) -> Engine:
-        """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest that runs."""
+        """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest
+        that runs."""
         return cls(load_model(model, device=device, dtype=dtype, speed=speed))
 
     # -- plans and drafters -----------------------------------------------------------------
@@ -115,11 +117,25 @@ class Engine:
     ) -> SkipPlan:
         return build_plan(self.identity, skip_attention, skip_mlp, policy, provenance)
 
-    def self_drafter(self, plan: SkipPlan | None = None) -> SelfSkipDrafter:
+    def self_drafter(
+        self, plan: SkipPlan | None = None, layer_skip: bool = True
+    ) -> AdaptiveDrafter:
+        """The default drafter: context n-gram drafts, and layer-skip drafts with ``plan`` (default:
+        the model's plan, if it has one) where they pay, chosen round by round from measured
+        costs. ``layer_skip=False``: context drafts only. Works without any plan."""
+        skipper = None
+        if layer_skip:
+            plan = plan or self.default_plan()
+            skipper = self.layer_skip_drafter(plan) if plan is not None else None
+        return AdaptiveDrafter(self.runner.head_rows, skipper)
+
+    def layer_skip_drafter(self, plan: SkipPlan | None = None) -> SelfSkipDrafter:
+        """The target drafting for itself with ``plan``'s sublayers skipped, every round."""
         plan = plan or self.default_plan()
         if plan is None:
+            name = self.loaded.name
             raise SelfSpecError(
-                f"no skip plan for {self.loaded.name}: pass one, or run `selfspec search --model {self.loaded.name}`."
+                f"no skip plan for {name}: pass one, or run `selfspec search --model {name}`."
             )
         check_plan_matches(plan, self.identity)
         return SelfSkipDrafter(self.runner, plan)
@@ -163,13 +179,15 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def decode_config(self, plan: SkipPlan | None = None, **overrides) -> DecodeConfig:
-        """Decode settings: defaults, then the plan's draft policy, then explicit overrides."""
+    def decode_config(self, source: Drafter | SkipPlan | None = None, **overrides) -> DecodeConfig:
+        """Decode settings: defaults, then what the drafter brings (a layer-skip plan's draft
+        policy;
+        a plan given directly counts as its layer-skip drafter), then explicit overrides."""
         config = DecodeConfig(eos_token_ids=self.eos_ids())
-        if plan is not None:
-            config.max_draft_tokens = plan.policy.max_draft_tokens
-            config.confidence_threshold = plan.policy.confidence_threshold
-            config.adaptive_threshold = plan.policy.adaptive_threshold
+        if isinstance(source, SkipPlan):
+            source = SelfSkipDrafter(self.runner, source)
+        for key, value in (source.policy_defaults() if source is not None else {}).items():
+            setattr(config, key, value)
         for key, value in overrides.items():
             if value is not None:
                 setattr(config, key, value)
@@ -190,9 +208,8 @@ class Engine:
         config: DecodeConfig | None = None,
     ) -> GenerationResult:
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt, chat=chat)
-        plan = drafter.plan if isinstance(drafter, SelfSkipDrafter) else None
         config = config or self.decode_config(
-            plan,
+            drafter,
             max_new_tokens=max_new_tokens,
             sampling=sampling or Sampling(),
             seed=seed,

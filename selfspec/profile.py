@@ -36,7 +36,10 @@ def add_arguments(parser) -> None:
         "--acceptance",
         type=float,
         default=None,
-        help="per-token draft acceptance for the best-draft-length estimate (default: the plan's measured one, else 0.8)",
+        help=(
+            "per-token draft acceptance for the best-draft-length estimate (default: the plan's "
+            "measured one, else 0.8)"
+        ),
     )
     parser.add_argument("--json", action="store_true")
 
@@ -169,7 +172,8 @@ def run(args) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"{result['model']} on {result['device']} ({result['dtype']}, speed mode {result['speed_mode']}, "
+        f"{result['model']} on {result['device']} ({result['dtype']}, speed mode "
+        f"{result['speed_mode']}, "
         f"{result['threads']} threads), "
         f"{result['prefix']}-token cached prefix, median of {args.repeats}"
     )
@@ -179,11 +183,13 @@ def run(args) -> int:
         print(f"{n:>6} {s:>12.1f} {h:>16.1f} {s / result['forward_ms']['1']:>17.2f}")
     if plan is not None:
         print(
-            f"draft step ({len(plan.skip_attention)} attention + {len(plan.skip_mlp)} MLP sublayers skipped): "
-            f"{result['draft_step_ms']:.1f} ms = {result['draft_cost_ratio']:.2f} of a full step"
+            f"draft step ({len(plan.skip_attention)} attention + {len(plan.skip_mlp)} MLP "
+            f"sublayers skipped): {result['draft_step_ms']:.1f} ms = "
+            f"{result['draft_cost_ratio']:.2f} of a full step"
         )
         print(
-            f"at acceptance {result['acceptance_assumed']:.2f}: best draft length {result['best_draft_length']}, "
+            f"at acceptance {result['acceptance_assumed']:.2f}: best draft length "
+            f"{result['best_draft_length']}, "
             f"predicted speedup {result['predicted_speedup']:.2f}x"
         )
     return 0

@@ -27,7 +27,7 @@ def _read_jsonl(path: Path) -> list[Prompt]:
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
-        raise SelfSpecError(f"prompts file {path} does not exist.")
+        raise SelfSpecError(f"prompts file {path} does not exist.") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SelfSpecError(f"cannot read prompts file {path}: {exc}") from exc
     prompts = []
@@ -38,8 +38,9 @@ def _read_jsonl(path: Path) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SelfSpecError(
-                f"{path}, line {number}: not valid JSON ({exc.msg}). Expected one JSON object per line."
-            )
+                f"{path}, line {number}: not valid JSON ({exc.msg}). Expected one JSON object per "
+                "line."
+            ) from None
         if not isinstance(row, dict):
             raise SelfSpecError(
                 f"{path}, line {number}: expected a JSON object with 'turns' or 'prompt'."
@@ -68,7 +69,8 @@ def _read_jsonl(path: Path) -> list[Prompt]:
 
 
 def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
-    """Load prompts from a spec; with ``limit``, take up to that many per category, in file order."""
+    """Load prompts from a spec; with ``limit``, take up to that many per category, in file
+    order."""
     if spec == "spec-bench" or spec.startswith("spec-bench:"):
         prompts = _read_jsonl(SPEC_BENCH_PATH)
         wanted = [c for c in spec.partition(":")[2].split(",") if c]

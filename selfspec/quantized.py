@@ -14,7 +14,8 @@ multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, no
 model's (see ``selfspec.speed``).
 
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
-offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay float32 (they are not streamed per step).
+offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay
+float32 (they are not streamed per step).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def decode(raw: np.ndarray, type_name: str, rows: int) -> Decoded:
 
 
 def _q_float_arrangement(decoded: Decoded) -> np.ndarray:
-    """[N, groups, bytes] in mode gguf's arrangement: per k a byte (BYTES) or per 2 k a byte, k even low."""
+    """[N, groups, bytes] in mode gguf's arrangement: per k a byte (BYTES) or per 2 k a byte, k even
+    low."""
     n, k = decoded.q.shape
     groups = k // decoded.group
     if decoded.format == BYTES:
@@ -157,8 +159,10 @@ def _q_float_arrangement(decoded: Decoded) -> np.ndarray:
 
 
 def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
-    """[P, groups, bytes] in mode gguf-q8's arrangement: per 4 consecutive k, 16 lanes x 4 bytes (one VNNI
-    operand). Nibbles: vector t holds k = 4t.. in its low nibbles and k = G/2 + 4t.. in its high ones.
+    """[P, groups, bytes] in mode gguf-q8's arrangement: per 4 consecutive k, 16 lanes x 4 bytes
+    (one VNNI
+    operand). Nibbles: vector t holds k = 4t.. in its low nibbles and k = G/2 + 4t.. in its high
+    ones.
     Bytes: q + 128 as uint8."""
     n, k = decoded.q.shape
     g, groups = decoded.group, k // decoded.group
@@ -172,7 +176,8 @@ def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
 
 
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
-    """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode gguf-q8's
+    """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode
+    gguf-q8's
     arrangement of each group's integers; headers and sizes are the same)."""
     n, k = decoded.q.shape
     panels = n // PANEL
@@ -256,7 +261,8 @@ class QuantLinear(nn.Module):
 
 
 class Q8Linear(QuantLinear):
-    """Speed mode gguf-q8: the file's integers times the activations rounded to 8 bits per 32 values,
+    """Speed mode gguf-q8: the file's integers times the activations rounded to 8 bits per 32
+    values,
     summed with integer dot products (AVX-512 VNNI), as llama.cpp does. Not the float32 model's
     numerics, so not its logits; every pass, prefill included, runs the same per-row arithmetic, so
     speculation in this mode is still identical to plain decoding in this mode."""
@@ -405,7 +411,8 @@ def _module(model: nn.Module, dotted: str) -> nn.Module:
 
 
 def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool = False) -> int:
-    """Swap the decoder's and the head's nn.Linear modules for QuantLinear (``activations8``: Q8Linear)
+    """Swap the decoder's and the head's nn.Linear modules for QuantLinear (``activations8``:
+    Q8Linear)
     built from the file."""
     adapter = adapter_for(model)
     tensors = gguf_tensors(gguf_path)
@@ -457,9 +464,9 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool
 
 def _not_the_models(gguf_name: str, gguf_path: Path) -> SelfSpecError:
     return SelfSpecError(
-        f"{gguf_name} in {gguf_path} does not hold the loaded model's weights. The file is not this "
-        "model's, or changed since it was converted. Use --speed packed, or remove the model's "
-        "cache folder to convert it again."
+        f"{gguf_name} in {gguf_path} does not hold the loaded model's weights. The file is not "
+        "this model's, or changed since it was converted. Use --speed packed, or remove the "
+        "model's cache folder to convert it again."
     )
 
 
@@ -473,7 +480,8 @@ def _check_decoded(decoded: Decoded, weight: torch.Tensor, gguf_name: str, gguf_
 
 
 def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
-    """The rebuilt weights must equal the float32 model's: the file is the model's own, mapped right.
+    """The rebuilt weights must equal the float32 model's: the file is the model's own, mapped
+    right.
 
     The first and last panels of every layer are compared, which catches a wrong file, tensor or row
     order at a fraction of the cost; the tests compare every weight of the bundled models."""

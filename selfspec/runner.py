@@ -20,7 +20,8 @@ from selfspec.adapters import adapter_for
 
 
 class KVCache:
-    """Static key/value buffers for every layer, written at ``write_pos`` by HF attention modules."""
+    """Static key/value buffers for every layer, written at ``write_pos`` by HF attention
+    modules."""
 
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device
@@ -155,7 +156,8 @@ class ModelRunner:
         )
 
     def _sublayers(self, hidden, rope, masks, first, stop, skip_attention, skip_mlp, capture_at):
-        """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering ``capture_at``)."""
+        """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering
+        ``capture_at``)."""
         a = self.adapter
         captured = None
         for sub in range(first, stop):

@@ -26,8 +26,9 @@
   which fuses the small ops between the matmuls (faster passes; README, "Speed on CUDA"), but
   compiling takes about a minute per kind of pass (the draft step, the verify pass) on first use
   in a process. Opt-in: for long runs, not one-off prompts.
-- ``auto`` (default): ``cuda-graphs`` on CUDA; on a CPU ``packed`` if it can build the kernel, else
-  ``torch``.
+- ``auto`` (default): the fastest mode this machine runs: ``cuda-graphs`` on CUDA; on a CPU,
+  for a model that came from a GGUF file (the bundled ones), ``gguf-q8`` with AVX-512 VNNI, else
+  ``gguf``; for other models ``packed``; ``torch`` if the kernel cannot be built.
 
 Modules are swapped on the one model instance selfspec loaded; transformers itself is untouched.
 """
@@ -68,7 +69,8 @@ CUDA_NUMERICS = (
 
 
 def numerics_note(mode: str, device_type: str = "cpu") -> str | None:
-    """How a mode's arithmetic differs from transformers' own on the same weights; None: it does not."""
+    """How a mode's arithmetic differs from transformers' own on the same weights; None: it does
+    not."""
     if mode in NUMERICS:
         return NUMERICS[mode]
     return CUDA_NUMERICS if device_type == "cuda" else None
@@ -97,7 +99,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
-        """``out_features``: compute only the first outputs (a multiple of 64), reading only their weights."""
+        """``out_features``: compute only the first outputs (a multiple of 64), reading only their
+        weights."""
         n = out_features or self.out_features
         weight = self.packed_weight[: n // PANEL]  # a prefix of the panels: a view, no copy
         bias = self.bias[:n] if self.bias is not None else None
@@ -111,7 +114,8 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=16-wide panels"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, packed=16-wide panels"
 
 
 def _packable(linear: nn.Module, group: int) -> bool:
@@ -123,7 +127,8 @@ def _packable(linear: nn.Module, group: int) -> bool:
 
 
 def pack_model(model: nn.Module) -> int:
-    """Swap every packable nn.Linear of ``model`` for a PackedLinear; returns how many were swapped."""
+    """Swap every packable nn.Linear of ``model`` for a PackedLinear; returns how many were
+    swapped."""
     kernel = load_kernel()
     group = kernel.panels_per_group()
     swapped = 0
@@ -132,8 +137,9 @@ def pack_model(model: nn.Module) -> int:
             if _packable(child, group):
                 setattr(parent, child_name, PackedLinear(child, kernel))
                 swapped += 1
-    # The weights may be views of the checkpoint file mapped into memory, which stays mapped (and its
-    # pages, read while packing, stay resident) while any view lives: give the rest their own memory.
+    # The weights may be views of the checkpoint file mapped into memory, which stays mapped (and
+    # its pages, read while packing, stay resident) while any view lives: give the rest their
+    # own memory.
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if tensor is not None and not name.endswith(
@@ -143,8 +149,11 @@ def pack_model(model: nn.Module) -> int:
     return swapped
 
 
-def resolve_speed_mode(mode: str, device, dtype) -> str:
-    """The mode that will actually run: ``auto`` becomes ``packed`` or ``torch``."""
+def resolve_speed_mode(mode: str, device, dtype, from_gguf: bool = False) -> str:
+    """The mode that will actually run. ``auto`` becomes the fastest this machine runs: on CUDA
+    ``cuda-graphs``; on a CPU, for a model read from a GGUF file (``from_gguf``), ``gguf-q8`` with
+    AVX-512 VNNI, else ``gguf``; for other models ``packed``; ``torch`` where the kernel cannot be
+    built."""
     if mode not in SPEED_MODES:
         raise SelfSpecError(
             f"unknown speed mode '{mode}'. Choose one of: {', '.join(SPEED_MODES)}."
@@ -170,15 +179,19 @@ def resolve_speed_mode(mode: str, device, dtype) -> str:
             )
         return mode
     if mode == "auto":
-        if not cpu_fp32:
-            return "torch"
-        try:
-            load_kernel()
-            return "packed"
-        except SelfSpecError as exc:
-            _warn_once(f"selfspec: running transformers' own kernels: {exc}")
-            return "torch"
+        return _fastest_cpu_mode(from_gguf) if cpu_fp32 else "torch"
     return mode
+
+
+def _fastest_cpu_mode(from_gguf: bool) -> str:
+    try:
+        kernel = load_kernel()
+    except SelfSpecError as exc:
+        _warn_once(f"selfspec: running transformers' own kernels: {exc}")
+        return "torch"
+    if not from_gguf:
+        return "packed"
+    return "gguf-q8" if kernel.q8_vectorized() else "gguf"
 
 
 def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:

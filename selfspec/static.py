@@ -32,11 +32,13 @@ from selfspec.runner import KVCache, ModelRunner, Resume, attention_mask
 
 PASS_ROWS = 16  # rows of every pass after prefill: max_draft_tokens + 1 up to 16 fit in one
 _CACHE_ROUNDING = 256  # cache lengths are rounded up so a longer prompt rarely forces new graphs
-MAX_GRAPHS = 8  # a search tries a new skip set per trial: keep the most recent kinds only (each holds memory)
+# a search tries a new skip set per trial: keep the most recent kinds only (each holds memory)
+MAX_GRAPHS = 8
 
 
 class StaticKVCache(KVCache):
-    """Keys/values written at the positions in ``positions`` (a device tensor); reads return the whole buffer."""
+    """Keys/values written at the positions in ``positions`` (a device tensor); reads return the
+    whole buffer."""
 
     positions: torch.Tensor | None = None  # [rows], set by the runner for each pass
 
@@ -68,7 +70,8 @@ class StaticRunner(ModelRunner):
         self.compiled = bool(compile) and self.use_graphs
         self._pass_fn = torch.compile(self._pass, dynamic=False) if self.compiled else self._pass
         hidden_size = self.model.config.hidden_size
-        # The static inputs every graph reads; a pass copies its tokens, positions and hidden states in.
+        # The static inputs every graph reads; a pass copies its tokens, positions and hidden states
+        # in.
         self.ids = torch.zeros(PASS_ROWS, dtype=torch.long, device=self.device)
         self.positions = torch.arange(PASS_ROWS, device=self.device)
         self.hidden_in = torch.zeros(

@@ -49,7 +49,8 @@ def qwen05_packed():
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    """A randomly initialised 4-layer llama with a 64-token vocabulary, for fast exact-distribution tests."""
+    """A randomly initialised 4-layer llama with a 64-token vocabulary, for fast exact-distribution
+    tests."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

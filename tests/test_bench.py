@@ -68,6 +68,8 @@ def test_bench_end_to_end_outputs(bench_run):
         "hf_generate",
         "autoregressive",
         "self_speculative",
+        "ngram",
+        "layer_skip",
         "dual_model",
         "hf_assisted",
         "prompt_lookup",
@@ -93,7 +95,9 @@ def test_bench_end_to_end_outputs(bench_run):
 
     assert methods["autoregressive"]["mean_accepted_length"] == pytest.approx(1.0)
     assert methods["autoregressive"]["acceptance_rate"] is None
-    for name in ("self_speculative", "dual_model"):
+    # The adaptive drafter may rightly draft nothing (it chooses from timings): >= 1 for it.
+    assert methods["self_speculative"]["mean_accepted_length"] >= 1.0
+    for name in ("layer_skip", "dual_model"):
         m = methods[name]
         assert m["mean_accepted_length"] > 1.0
         assert 0 < m["acceptance_rate"] <= 1

@@ -1,4 +1,5 @@
-"""The engine is lossless: greedy output equals transformers' generate token for token, for any plan."""
+"""The engine is lossless: greedy output equals transformers' generate token for token, for any
+plan."""
 
 import random
 
@@ -55,7 +56,7 @@ def test_greedy_identical_to_hf_generate(model_fixture, request):
         assert plain.token_ids == expected, "plain decoding differs from transformers"
         assert plain.stats.mean_accepted_length == pytest.approx(1.0)
         for name, plan in plans_for(engine).items():
-            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            result = engine.generate(ids, engine.layer_skip_drafter(plan), max_new_tokens=24)
             assert result.token_ids == expected, f"plan {name} changed the output"
             assert result.stats.target_passes <= plain.stats.target_passes
 
@@ -66,7 +67,7 @@ def test_light_plan_accepts_more_than_one_token_per_pass(qwen05):
     plan = qwen05.make_plan([12], [], provenance={"how": "test"})
     result = qwen05.generate(
         ids,
-        qwen05.self_drafter(plan),
+        qwen05.layer_skip_drafter(plan),
         max_new_tokens=32,
         config=qwen05.decode_config(
             plan,
@@ -82,7 +83,8 @@ def test_light_plan_accepts_more_than_one_token_per_pass(qwen05):
 
 @pytest.mark.slow
 def test_dual_model_drafter_is_lossless(qwen05, smollm2):
-    # smollm2 drafting for itself from a second runner: a same-tokenizer separate model with its own cache.
+    # smollm2 drafting for itself from a second runner: a same-tokenizer separate model with its own
+    # cache.
     ids = smollm2.encode(PROMPTS[1], chat=True)
     expected = hf_greedy(smollm2, ids, 20)
     drafter = smollm2.model_drafter(smollm2.loaded)
@@ -98,7 +100,7 @@ def test_dual_model_drafter_is_lossless(qwen05, smollm2):
 @pytest.mark.slow
 def test_max_new_tokens_mid_draft_and_eos(smollm2):
     ids = smollm2.encode("Count from one to five in words:", chat=True)
-    drafter = smollm2.self_drafter(
+    drafter = smollm2.layer_skip_drafter(
         plans_for(smollm2)["empty"]
     )  # accepts everything: drafts run past the limit
     full = hf_greedy(smollm2, ids, 64)
@@ -120,7 +122,7 @@ def test_stop_string_cuts_where_plain_decoding_would(smollm2):
     text = plain.text
     stop = text.strip()[:4] if len(text.strip()) >= 4 else None
     assert stop, f"need some text to cut: {text!r}"
-    drafter = smollm2.self_drafter(plans_for(smollm2)["empty"])
+    drafter = smollm2.layer_skip_drafter(plans_for(smollm2)["empty"])
     a = smollm2.generate(ids, None, max_new_tokens=30, stop_strings=(stop,))
     b = smollm2.generate(ids, drafter, max_new_tokens=30, stop_strings=(stop,))
     assert a.token_ids == b.token_ids and b.stats.stop_reason == "stop_string"
@@ -132,7 +134,7 @@ def test_stop_string_cuts_where_plain_decoding_would(smollm2):
 def test_cache_holds_full_model_keys_after_generation(qwen05):
     ids = qwen05.encode(PROMPTS[2], chat=True)
     plan = plans_for(qwen05)["heavy"]
-    result = qwen05.generate(ids, qwen05.self_drafter(plan), max_new_tokens=20)
+    result = qwen05.generate(ids, qwen05.layer_skip_drafter(plan), max_new_tokens=20)
     committed = ids + result.token_ids
     in_cache = len(committed) - 1  # the last token is pending
     reference = DynamicCache(config=qwen05.loaded.model.config)
@@ -156,12 +158,12 @@ def test_tiny_model_identity_over_many_random_plans(tiny_llama):
     expected = hf_greedy(engine, prompt, 16, eos=False)
     config = engine.decode_config(None, max_new_tokens=16, confidence_threshold=0.0, fallback=False)
     config.eos_token_ids = ()
-    for trial in range(12):
+    for _ in range(12):
         attn = sorted(rng.sample(range(4), rng.randrange(0, 3)))
         mlp = sorted(rng.sample(range(4), rng.randrange(0, 3)))
         config.max_draft_tokens = rng.randrange(1, 7)
         plan = engine.make_plan(attn, mlp)
-        out = engine.generate(prompt, engine.self_drafter(plan), config=config)
+        out = engine.generate(prompt, engine.layer_skip_drafter(plan), config=config)
         assert out.token_ids == expected, (attn, mlp, config.max_draft_tokens)
 
 

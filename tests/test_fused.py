@@ -5,7 +5,9 @@ import torch
 
 from selfspec.kernels import kernel_available
 
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    not kernel_available(), reason="the CPU kernel cannot be built here"
+)
 
 PROMPT = "def merge_sorted(a, b):\n    "
 
@@ -29,7 +31,9 @@ def test_fused_layers_compute_the_module_path_s_logits(qwen05_packed):
     for runner in (engine.runner, modules):
         runner.reset(ids.numel() + 8)
         prefill = runner.forward(ids, 0)[0]  # every row's logits: prefill through BLAS panels
-        step = runner.forward(torch.tensor([7, 8, 9]), ids.numel())[0]  # a verify pass through the kernel
+        step = runner.forward(torch.tensor([7, 8, 9]), ids.numel())[
+            0
+        ]  # a verify pass through the kernel
         results.append((prefill, step))
     for fused, plain in zip(*results):
         # the same float32 arithmetic but for the norms' and activation's summation order

@@ -1,4 +1,5 @@
-"""The tour notebook runs top to bottom (small, with SELFSPEC_NOTEBOOK_FAST=1), in this interpreter's kernel."""
+"""The tour notebook runs top to bottom (small, with SELFSPEC_NOTEBOOK_FAST=1), in this
+interpreter's kernel."""
 
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def test_tour_notebook_executes(monkeypatch):
         if out.get("output_type") == "stream"
     )
     prefix = next(line for line in text.splitlines() if line.startswith("environment: "))
-    # The kernel ran in this interpreter's environment (the venv), not some other python3 on the PATH.
+    # The kernel ran in this interpreter's environment (the venv), not some other python3 on the
+    # PATH.
     assert Path(prefix.removeprefix("environment: ")) == Path(sys.prefix)
     assert "fast mode: True" in text
     assert "identical token ids: True" in text

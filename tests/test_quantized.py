@@ -3,7 +3,6 @@
 for bit, the 8-bit-activation kernel computes its documented formula, and decoding in either mode is
 lossless with respect to plain decoding in that mode."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -68,7 +67,8 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(
 
 
 def eight_bit_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as gguf-q8 sees it: per row and block of 32, d * nearbyint(x * 127 / max|x|), d = max|x| / 127."""
+    """x as gguf-q8 sees it: per row and block of 32, d * nearbyint(x * 127 / max|x|), d = max|x| /
+    127."""
     blocks = x.double().reshape(x.shape[0], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True).float()
     # (torch computes `127 / amax` as 127 * (1 / amax), which rounds differently now and then)
@@ -182,7 +182,8 @@ def qwen05_gguf():
 @needs_kernel
 @pytest.mark.slow
 def test_gguf_mode_holds_every_weight_exactly(qwen05, qwen05_gguf):
-    """Every weight of every quantized layer equals the float32 model's (the load checks a sample)."""
+    """Every weight of every quantized layer equals the float32 model's (the load checks a
+    sample)."""
     reference = dict(qwen05.loaded.model.named_modules())
     layers = [
         (name, m)
@@ -216,7 +217,7 @@ def test_gguf_mode_speculation_is_lossless(qwen05_packed, qwen05_gguf):
         plain = engine.generate(ids, None, max_new_tokens=24)
         assert plain.token_ids == qwen05_packed.generate(ids, None, max_new_tokens=24).token_ids
         for name, plan in plans_for(engine).items():
-            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            result = engine.generate(ids, engine.layer_skip_drafter(plan), max_new_tokens=24)
             assert result.token_ids == plain.token_ids, (
                 f"plan {name} changed the output in gguf mode"
             )
@@ -256,14 +257,15 @@ def test_q8_mode_is_close_to_the_float32_model_and_speculation_is_lossless(qwen0
             plain.to_dict()["speed_mode"] == "gguf-q8" and "8 bits" in plain.to_dict()["numerics"]
         )
         for name, plan in plans_for(engine).items():
-            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            result = engine.generate(ids, engine.layer_skip_drafter(plan), max_new_tokens=24)
             assert result.token_ids == plain.token_ids, (
                 f"plan {name} changed the output in gguf-q8 mode"
             )
 
 
 def test_gguf_modes_have_their_own_default_plans():
-    """Their costs differ from packed's, so each was searched separately; other modes keep theirs."""
+    """Their costs differ from packed's, so each was searched separately; other modes keep
+    theirs."""
     from selfspec.paths import packaged_plan
     from selfspec.plan import load_plan
 

@@ -99,7 +99,7 @@ def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):
         max_draft_tokens=2,
     )
     config.eos_token_ids = ()
-    drafter = engine.self_drafter(plan)
+    drafter = engine.layer_skip_drafter(plan)
     if draft_vocab:
         drafter.draft_vocab = (
             draft_vocab  # plans ask for multiples of 64; this model has only 64 tokens
@@ -126,7 +126,8 @@ def test_speculative_sampling_end_to_end_matches_target(peaked_tiny, monkeypatch
 
 
 def test_sampling_with_a_partial_draft_head_matches_target(peaked_tiny):
-    """Drafts that can only propose the first token ids (q = 0 beyond) still leave the target's distribution."""
+    """Drafts that can only propose the first token ids (q = 0 beyond) still leave the target's
+    distribution."""
     engine = peaked_tiny
     prompt = [5, 17, 33, 2]
     sampling = Sampling(temperature=4.0)  # spread the peaked model's mass over several tokens

@@ -1,4 +1,5 @@
-"""`selfspec search`: the speed model's replay of the decode loop, studies that resume, clear errors,
+"""`selfspec search`: the speed model's replay of the decode loop, studies that resume, clear
+errors,
 and a short real search whose plan is valid and lossless."""
 
 import json
@@ -52,7 +53,8 @@ def test_room_left_limits_the_last_round():
 
 
 def test_first_disagreement_ends_acceptance():
-    # round 1 from c_0 drafts 4, accepts 2 (row 2 disagrees) -> 3 tokens; round 2 has room 2: 1 draft, accepted
+    # round 1 from c_0 drafts 4, accepts 2 (row 2 disagrees) -> 3 tokens; round 2 has room 2: 1
+    # draft, accepted
     r = run_sim([True, True, False, True, True], [1.0] * 5, max_draft=4)
     assert (r.rounds, r.drafted, r.accepted, r.tokens) == (2, 5, 3, 5)
     assert r.acceptance_rate == pytest.approx(3 / 5) and r.mean_accepted_length == pytest.approx(
@@ -67,7 +69,8 @@ def test_threshold_stops_drafting_but_the_step_is_paid():
     r = run_sim([True] * 6, [0.2] * 6, max_draft=4, threshold=0.5, draft=0.1, calls=calls)
     assert (r.tokens, r.rounds, r.drafted, r.accepted) == (6, 6, 0, 0)
     assert r.draft_steps == 5  # the last round has no room to draft, so no step
-    # a stopped draft step still hands its hidden state to the verify pass (tail 0), the last round does not
+    # a stopped draft step still hands its hidden state to the verify pass (tail 0), the last round
+    # does not
     assert calls == [(1, 0)] * 5 + [(1, 1)]
     assert r.seconds == pytest.approx(5 * 0.1 + 6 * 1.0)
     assert r.speedup < 1.0
@@ -77,7 +80,8 @@ def test_threshold_cuts_a_draft_midway():
     conf = [0.9, 0.9, 0.1, 0.9] * 4
     calls = []
     r = run_sim([True] * 16, conf, max_draft=4, threshold=0.5, calls=calls)
-    # round 1 from c_0: drafts rows 0,1, stops at row 2 (3 steps) -> 3 tokens, verify over 3 rows, no tail
+    # round 1 from c_0: drafts rows 0,1, stops at row 2 (3 steps) -> 3 tokens, verify over 3 rows,
+    # no tail
     assert calls[0] == (3, 0)
     assert r.draft_steps >= r.drafted + 1
 
@@ -87,7 +91,8 @@ def test_adaptive_threshold_rises_after_rejections():
     fixed = run_sim([False] * n, [0.62] * n, max_draft=1, threshold=0.5, adaptive=False)
     adaptive = run_sim([False] * n, [0.62] * n, max_draft=1, threshold=0.5, adaptive=True)
     assert fixed.drafted == n - 1  # every round but the last drafts, and is rejected
-    # ema 0.8 -> 0.56 -> ...: the threshold climbs 0.55, 0.60, 0.65; at 0.65 > 0.62 drafting stops for good
+    # ema 0.8 -> 0.56 -> ...: the threshold climbs 0.55, 0.60, 0.65; at 0.65 > 0.62 drafting stops
+    # for good
     assert adaptive.drafted == 3
     assert adaptive.accepted == fixed.accepted == 0
 
@@ -302,7 +307,8 @@ def test_current_plan_is_a_warm_start(tiny_llama, tmp_path):
 
 @pytest.mark.slow
 def test_speed_model_replays_the_decode_loop_exactly(smollm2):
-    """Skipping only the last layer leaves every cached key/value exact, so the teacher-forced draft is
+    """Skipping only the last layer leaves every cached key/value exact, so the teacher-forced draft
+    is
     the real draft and the replay must match real decoding round for round."""
     from selfspec.plan import DraftPolicy
     from selfspec.prompts import load_prompts
@@ -333,7 +339,7 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
             policy.adaptive_threshold,
         )
         config = engine.decode_config(plan, max_new_tokens=tokens, fallback=False)
-        real = engine.generate(ids, engine.self_drafter(plan), config=config)
+        real = engine.generate(ids, engine.layer_skip_drafter(plan), config=config)
         assert real.token_ids == plain.token_ids
         s = real.stats
         if policy.confidence_threshold == 0 and not policy.adaptive_threshold:
@@ -343,8 +349,9 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
                 s.accepted,
             )
         else:
-            # After a rejected draft token the real draft continues from its own token, whose confidence the
-            # teacher-forced pass cannot know: with a threshold the replay is close, not exact.
+            # After a rejected draft token the real draft continues from its own token, whose
+            # confidence the teacher-forced pass cannot know: with a threshold the replay is
+            # close, not exact.
             assert (
                 abs(ev.sim.rounds - s.target_passes) <= 2 and abs(ev.sim.drafted - s.drafted) <= 3
             )
@@ -394,7 +401,7 @@ def test_short_search_writes_a_valid_lossless_plan(smollm2, tmp_path):
     assert (out.parent / "report.md").is_file() and (out.parent / "importance.png").is_file()
     assert "## Top trials" in (out.parent / "report.md").read_text()
 
-    drafter = smollm2.self_drafter(smollm2.load_plan(out))
+    drafter = smollm2.layer_skip_drafter(smollm2.load_plan(out))
     prompt = load_prompts("spec-bench:math", limit=1)[0]
     ids = smollm2.encode(prompt.text, chat=True)
     plain = smollm2.generate(ids, None, max_new_tokens=32)

@@ -41,7 +41,8 @@ def test_kernel_matches_f_linear(out_features, in_features):
 
 @needs_kernel
 def test_kernel_rows_are_independent_of_each_other():
-    """Row r of a pass over m rows equals, bit for bit, a pass over that row alone (m <= KERNEL_MAX_ROWS)."""
+    """Row r of a pass over m rows equals, bit for bit, a pass over that row alone (m <=
+    KERNEL_MAX_ROWS)."""
     torch.manual_seed(1)
     kernel = load_kernel()
     weight = torch.randn(8960 // 4, 1536)
@@ -102,7 +103,7 @@ def test_packed_mode_speculation_is_lossless(model_fixture, request):
         plain = engine.generate(ids, None, max_new_tokens=24)
         assert plain.token_ids == hf_greedy(engine, ids, 24)
         for name, plan in plans_for(engine).items():
-            result = engine.generate(ids, engine.self_drafter(plan), max_new_tokens=24)
+            result = engine.generate(ids, engine.layer_skip_drafter(plan), max_new_tokens=24)
             assert result.token_ids == plain.token_ids, (
                 f"plan {name} changed the output in packed mode"
             )
@@ -158,8 +159,8 @@ def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
                 q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], 0.125, causal
             )
             assert torch.equal(row, got[:, i : i + 1])
-    # keys and values as the runner's cache hands them out (views of longer buffers), queries transposed:
-    # read in place, same bits
+    # keys and values as the runner's cache hands them out (views of longer buffers), queries
+    # transposed: read in place, same bits
     buffers = [torch.cat([t, torch.randn(2, 2, 11, 64, generator=gen)], dim=2) for t in (k, v)]
     k_view, v_view = (b[:, :, :37] for b in buffers)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -199,3 +200,29 @@ def test_a_verify_pass_gives_each_row_the_bits_of_one_token_passes(qwen05_packed
     for i in range(6):
         alone = runner.forward(ids[start + i : start + i + 1], start + i)[0].reshape(-1)
         assert torch.equal(together[i], alone), i
+
+
+def test_auto_picks_the_fastest_mode_this_machine_runs(monkeypatch):
+    """A GGUF model: gguf-q8 with AVX-512 VNNI, else gguf (the same weights, float32 arithmetic);
+    another model: packed; no kernel: transformers' own (torch)."""
+    from selfspec import speed
+    from selfspec.errors import SelfSpecError
+
+    class Kernel:
+        vnni = True
+
+        def q8_vectorized(self):
+            return self.vnni
+
+    kernel = Kernel()
+    monkeypatch.setattr(speed, "load_kernel", lambda: kernel)
+    assert speed.resolve_speed_mode("auto", "cpu", torch.float32, from_gguf=True) == "gguf-q8"
+    assert speed.resolve_speed_mode("auto", "cpu", torch.float32, from_gguf=False) == "packed"
+    kernel.vnni = False
+    assert speed.resolve_speed_mode("auto", "cpu", torch.float32, from_gguf=True) == "gguf"
+
+    def no_kernel():
+        raise SelfSpecError("no compiler")
+
+    monkeypatch.setattr(speed, "load_kernel", no_kernel)
+    assert speed.resolve_speed_mode("auto", "cpu", torch.float32, from_gguf=True) == "torch"

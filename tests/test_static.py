@@ -36,7 +36,8 @@ def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
         runner.reset(200)
         out = [runner.forward(prompt, 0, last_logits_only=True)[0]]
         out += [runner.forward(new[:n], 37)[0] for n in (1, 3, PASS_ROWS, PASS_ROWS + 4, len(new))]
-        # a draft step (sublayers skipped, hidden state captured), then a verify pass resuming from it
+        # a draft step (sublayers skipped, hidden state captured), then a verify pass resuming from
+        # it
         logits, hidden = runner.forward(
             new[:1], 37, frozenset({3, 5}), frozenset({4}), capture_at=6
         )
@@ -67,7 +68,7 @@ def test_speculation_on_static_passes_is_identical_to_plain_decoding(smollm2_pac
         )
         plain, _ = generate_ids(engine.runner, prompt, config)
         for plan in plans_for(engine).values():
-            drafter = engine.self_drafter(plan)
+            drafter = engine.layer_skip_drafter(plan)
             ids, stats = generate_ids(engine.runner, prompt, config, drafter)
             assert ids == plain, plan.skip_attention
         reference, _ = generate_ids(runner, prompt, config)
@@ -166,7 +167,9 @@ def test_cuda_speculation_is_identical_to_plain_decoding(random_cuda):
         plain, _ = generate_ids(engine.runner, prompt, config)
         for skip in ({1, 4}, {0, 2, 3}, {5}):
             plan = engine.make_plan(skip_attention=skip, skip_mlp={2})
-            ids, stats = generate_ids(engine.runner, prompt, config, engine.self_drafter(plan))
+            ids, stats = generate_ids(
+                engine.runner, prompt, config, engine.layer_skip_drafter(plan)
+            )
             assert ids == plain, (trial, skip)
             assert stats.drafted > 0
 
@@ -199,6 +202,9 @@ def test_cuda_compiled_speculation_is_identical_to_plain_decoding():
     prompt = [int(t) for t in _ids(40, 8, high=150000)]
     plain, _ = generate_ids(engine.runner, prompt, config)
     ids, stats = generate_ids(
-        engine.runner, prompt, config, engine.self_drafter(engine.make_plan(skip_attention={1}))
+        engine.runner,
+        prompt,
+        config,
+        engine.layer_skip_drafter(engine.make_plan(skip_attention={1})),
     )
     assert ids == plain and stats.drafted > 0

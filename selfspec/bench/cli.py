@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the Markdown table"
     )
+    parser.add_argument(
+        "--no-hf-baseline",
+        action="store_true",
+        help="leave out hf_generate (transformers' greedy decoding, the slowest method on a CPU) "
+        "unless --methods names it; speculation is still checked against selfspec's plain decoding",
+    )
 
 
 def _methods(text: str | None) -> list[str] | None:
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         explicit=methods is not None,
         notes=notes,
         config_extra={"prompt_spec": args.prompts, "limit": args.limit},
+        baseline=not args.no_hf_baseline,
     )
     if args.out:
         written = write_outputs(result, args.out)

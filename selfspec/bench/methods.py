@@ -1,6 +1,7 @@
 """The benchmarked methods: each runs one greedy generation and reports its tokens and times.
 
-selfspec's own (autoregressive, self_speculative, dual_model) run through the Engine; transformers'
+selfspec's own (autoregressive, self_speculative, ngram, layer_skip, dual_model) run through the
+Engine; transformers'
 (hf_generate, hf_assisted, prompt_lookup) on the model exactly as transformers builds it;
 llama_cpp (plain decoding of the same .gguf) through llama-cpp-python when it is installed.
 """
@@ -158,11 +159,30 @@ def _run_autoregressive(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
 
 
 def _setup_self_speculative(ctx: BenchContext) -> None:
-    ctx.state["self_speculative"] = ctx.engine.self_drafter(ctx.plan)
+    # selfspec's default drafter: context drafts, and the plan's layer-skip drafts where they pay
+    ctx.state["self_speculative"] = ctx.engine.self_drafter(
+        ctx.plan, layer_skip=ctx.plan is not None
+    )
 
 
 def _run_self_speculative(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
     return _engine_run(ctx, prompt_ids, ctx.state["self_speculative"])
+
+
+def _setup_ngram(ctx: BenchContext) -> None:
+    ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False)
+
+
+def _run_ngram(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _engine_run(ctx, prompt_ids, ctx.state["ngram"])
+
+
+def _setup_layer_skip(ctx: BenchContext) -> None:
+    ctx.state["layer_skip"] = ctx.engine.layer_skip_drafter(ctx.plan)
+
+
+def _run_layer_skip(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+    return _engine_run(ctx, prompt_ids, ctx.state["layer_skip"])
 
 
 def _setup_dual_model(ctx: BenchContext) -> None:
@@ -223,9 +243,9 @@ METHODS: dict[str, Method] = {
     for m in [
         Method("hf_generate", _run_hf_generate, transformers=True),
         Method("autoregressive", _run_autoregressive),
-        Method(
-            "self_speculative", _run_self_speculative, needs="plan", setup=_setup_self_speculative
-        ),
+        Method("self_speculative", _run_self_speculative, setup=_setup_self_speculative),
+        Method("ngram", _run_ngram, setup=_setup_ngram),
+        Method("layer_skip", _run_layer_skip, needs="plan", setup=_setup_layer_skip),
         Method("dual_model", _run_dual_model, needs="draft", setup=_setup_dual_model),
         Method("hf_assisted", _run_hf_assisted, needs="draft", transformers=True),
         Method("prompt_lookup", _run_prompt_lookup, transformers=True),

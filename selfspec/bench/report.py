@@ -99,7 +99,12 @@ def _main_table(result: dict) -> list[str]:
 def _category_table(result: dict, key: str, title: str) -> list[str]:
     """One row per method, one column per category (none for a single category)."""
     categories = result["config"]["categories"]
-    if len(categories) < 2:
+    methods = {
+        n: r
+        for n, r in result["methods"].items()
+        if any(r["categories"][c].get(key) is not None for c in categories)
+    }
+    if len(categories) < 2 or not methods:
         return []
     lines = [
         "",
@@ -108,7 +113,7 @@ def _category_table(result: dict, key: str, title: str) -> list[str]:
         "| method | " + " | ".join(categories) + " |",
         "|---|" + "---:|" * len(categories),
     ]
-    for name, r in result["methods"].items():
+    for name, r in methods.items():
         cells = [_fmt(r["categories"][cat].get(key), "x") for cat in categories]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

@@ -83,16 +83,26 @@ def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
 
 
 def resolve_methods(
-    requested, *, plan, draft, model_name: str, custom: dict | None = None, explicit: bool = False
+    requested,
+    *,
+    plan,
+    draft,
+    model_name: str,
+    custom: dict | None = None,
+    explicit: bool = False,
+    baseline: bool = True,
 ) -> tuple[list[str], list[str]]:
-    """Which methods can run, and a note for each left out. Explicitly requested ones must run."""
+    """Which methods can run, and a note for each left out. Explicitly requested ones must run.
+    ``baseline``: add hf_generate when it was not asked for (identity checks refer to it)."""
     known = dict(METHODS, **(custom or {}))
     requested = list(requested) if requested else [*ALL_METHODS, *(custom or {})]
     unknown = [m for m in requested if m not in known]
     if unknown:
         raise SelfSpecError(f"unknown method(s) {', '.join(unknown)}. Known: {', '.join(known)}.")
     notes, chosen = [], []
-    if BASELINE not in requested:
+    if not baseline:
+        requested = [m for m in requested if m != BASELINE]
+    elif BASELINE not in requested:
         requested.insert(0, BASELINE)
         notes.append(
             f"{BASELINE} added: it is the baseline every speedup and identity check refers to."
@@ -155,6 +165,7 @@ def _choose(
     draft_name: str | None,
     custom_methods: dict | None,
     explicit: bool,
+    baseline: bool = True,
 ) -> tuple[dict[str, Method], list[str], list[str]]:
     """The method registry (custom methods included), the methods that run, and notes on the
     others."""
@@ -168,6 +179,7 @@ def _choose(
         model_name=engine.loaded.name,
         custom=custom,
         explicit=explicit,
+        baseline=baseline,
     )
     return dict(METHODS, **custom), chosen, notes
 
@@ -335,8 +347,14 @@ def run_bench(
     progress: bool = True,
     notes: list[str] | None = None,
     config_extra: dict | None = None,
+    baseline: bool = True,
 ) -> dict:
     """Benchmark ``methods`` on ``prompts`` (selfspec.prompts.Prompt objects or plain strings).
+
+    ``baseline``: run hf_generate (transformers' own greedy decoding), the reference of the
+    identity checks and of ``speedup_vs_hf_generate``, even when ``methods`` leave it out. False
+    leaves it out (it is the slowest method on a CPU); speculation is still checked against
+    selfspec's own plain decoding.
 
     ``plan``: the skip plan for self_speculative (None: the engine's default plan).
     ``draft``: the draft model for dual_model and hf_assisted: a bundled name or path (loaded
@@ -355,7 +373,9 @@ def run_bench(
     prompts = _as_prompts(prompts)
     plan = plan if plan is not None else engine.default_plan()
     draft, draft_name = _split_draft(draft)
-    registry, chosen, skipped = _choose(engine, methods, plan, draft_name, custom_methods, explicit)
+    registry, chosen, skipped = _choose(
+        engine, methods, plan, draft_name, custom_methods, explicit, baseline
+    )
     notes = [*(notes or []), *skipped]
     numerics = _numerics(engine, notes)
     chat = bool(getattr(engine.tokenizer, "chat_template", None)) if chat is None else chat

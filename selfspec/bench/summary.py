@@ -38,11 +38,16 @@ def first_difference(a: list[int], b: list[int]) -> dict:
     }
 
 
-def _entry(method: Method, reps: list[MethodRun], base: list[int], plain: list[int] | None) -> dict:
-    """One method on one prompt: tokens of the first repeat, median times, identity checks."""
+def _entry(
+    method: Method, reps: list[MethodRun], base: list[int] | None, plain: list[int] | None
+) -> dict:
+    """One method on one prompt: tokens of the first repeat, median times, identity checks
+    (against hf_generate when it ran: None otherwise)."""
     tokens = reps[0].token_ids
     seconds = statistics.median(r.seconds for r in reps)
-    identical = all(r.token_ids == base for r in reps) if method.checks_identity else "n/a"
+    identical = all(r.token_ids == base for r in reps) if base is not None else None
+    if not method.checks_identity:
+        identical = "n/a"
     entry = {
         "new_tokens": len(tokens),
         "seconds": seconds,
@@ -150,7 +155,12 @@ def _summary(
     if all("identical_to_autoregressive" in e for e in entries):
         out["identical_to_autoregressive"] = all(e["identical_to_autoregressive"] for e in entries)
     identities = [e["identical_to_baseline"] for e in entries]
-    out["identical_to_baseline"] = "n/a" if "n/a" in identities else all(identities)
+    if "n/a" in identities:
+        out["identical_to_baseline"] = "n/a"
+    elif None in identities:  # hf_generate did not run
+        out["identical_to_baseline"] = None
+    else:
+        out["identical_to_baseline"] = all(identities)
     if out["identical_to_baseline"] is False:
         out["mismatched_prompts"] = [
             prompts[i].id for i, e in zip(indices, entries) if e["identical_to_baseline"] is False
@@ -170,7 +180,7 @@ def summarize(
     table: dict[str, list[dict]] = {name: [] for name in chosen}
     per_prompt = []
     for i, prompt in enumerate(prompts):
-        base = runs[BASELINE][i][0].token_ids
+        base = runs[BASELINE][i][0].token_ids if BASELINE in runs else None
         plain = runs["autoregressive"][i][0].token_ids if "autoregressive" in runs else None
         entries = {name: _entry(registry[name], runs[name][i], base, plain) for name in chosen}
         for name, entry in entries.items():

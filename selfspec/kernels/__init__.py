@@ -1,4 +1,5 @@
-"""selfspec's CPU kernel (``module.cpp`` and its headers): how it is built, and the primitives around it.
+"""selfspec's CPU kernel (``module.cpp`` and its headers): how it is built, and the primitives
+around it.
 
 The C++ extension is compiled for this machine on first use (``-march=native``: a build is only
 valid on CPUs with the same instruction set) and cached under the user's cache, keyed by the
@@ -56,7 +57,8 @@ def _build_dir() -> Path:
 
 
 def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary is not there unless the venv is activated."""
+    """torch runs `ninja` from PATH; the pip package's binary is not there unless the venv is
+    activated."""
     try:
         import ninja
     except ImportError:
@@ -108,7 +110,8 @@ def load_kernel():
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else exc
             _kernel_error = (
                 f"could not build selfspec's packed CPU kernel ({type(exc).__name__}: {last}). "
-                "It needs a C++ compiler (g++) and ninja (`pip install ninja`); or use --speed torch."
+                "It needs a C++ compiler (g++) and ninja (`pip install ninja`); or use --speed "
+                "torch."
             )
             raise SelfSpecError(_kernel_error) from exc
         return _kernel
@@ -135,7 +138,8 @@ def matmul_panels(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
 
 
 def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) -> torch.Tensor:
-    """The first ``out_features`` outputs of ``linear`` (all when None), reading only their weights."""
+    """The first ``out_features`` outputs of ``linear`` (all when None), reading only their
+    weights."""
     if out_features is None or out_features >= linear.out_features:
         return linear(x)
     if getattr(linear, "reads_prefix", False):

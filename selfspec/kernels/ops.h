@@ -59,7 +59,7 @@ inline torch::Tensor q8_linear_rows(const QuantizedRows& a, const torch::Tensor&
   if (M == 0) return y;
   with_format(format, group, [&](auto f, auto g) {
     q8_run<decltype(f)::value, decltype(g)::value>(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp,
-                                                   reference || !kHaveVnni);
+                                                   reference || !kHaveQ8Vector);
     return 0;
   });
   return y;
@@ -74,7 +74,7 @@ inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format
   return q8_linear_rows(quantize_rows(x), wq, format, group, bias, reference);
 }
 
-inline bool q8_vectorized() { return kHaveVnni; }
+inline bool q8_vectorized() { return kHaveQ8Vector; }
 
 
 // q [B, Hq, M, D]; k, v [B, Hkv, L, D] (Hq a multiple of Hkv); mask None or [B|1, Hq|1, M, L], bool

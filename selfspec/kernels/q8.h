@@ -93,8 +93,7 @@ inline int32_t group_sum(const int32_t* sums16, int64_t g0) {
   return G == 16 ? sums16[g0 / 16] : sums16[g0 / 16] + sums16[g0 / 16 + 1];
 }
 
-// Scalar version of the formula: the reference the vector tiles are tested against, and the
-// path on CPUs without AVX-512 VNNI.
+// Scalar version of the formula: the reference the vector tiles are tested against.
 template <int FORMAT, int G>
 void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                         int64_t N, const float* bias) {
@@ -258,8 +257,103 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
       T::get(rows)(quads + m0, d_t + m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
   }
 }
+#elif defined(__AVX2__)
+constexpr bool kHaveVnni = false;
+
+// AVX2 has no byte dot product; vpmaddubsw (u8 x s8 pairs, saturating to int16) and vpmaddwd
+// do the work of one vpdpbusd on half the width, as in llama.cpp. The integer sums are exact
+// (no pair can saturate: nibbles are at most 15, and byte weights go through the sign trick,
+// |q| * |a| <= 128 * 127), so the tiles give the VNNI tiles' and the reference's bits.
+inline __m256i add_dot4(__m256i dot, __m256i w_u8, __m256i a_s8) {
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, a_s8), _mm256_set1_epi16(1)));
+}
+
+// Rows [0, ROWS) times one panel over all of K, one half (8 lanes) of the panel at a time.
+// Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
+// (the reference's sum (q + 128) * a - 128 * S, the same integer).
+template <int FORMAT, int G, int ROWS>
+void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
+                 const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
+  using L = Layout<FORMAT, G>;
+  constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;
+  const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+      // (through memory: on AVX-512 CPUs without VNNI a vec holds the whole panel's 16 lanes)
+      alignas(64) float scales[kPanel], offsets[kPanel];
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        vec s, o;
+        L::scales(panel, g0 / G, v, s, o);
+        vstore(scales + v * kVec, s);
+        vstore(offsets + v * kVec, o);
+      }
+      const __m256 scale = _mm256_load_ps(scales + h * 8), offset = _mm256_load_ps(offsets + h * 8);
+      const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader + h * 32;
+      const int32_t* a_lo = quads + (g0 / 4) * M;
+      const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
+      __m256i dot[ROWS];
+      for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < kSteps; ++t) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
+        if constexpr (L::kNibbleQ) {
+          const __m256i w0 = _mm256_and_si256(v, low4);
+          const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
+          for (int r = 0; r < ROWS; ++r) {
+            dot[r] = add_dot4(dot[r], w0, _mm256_set1_epi32(a_lo[t * M + r]));
+            dot[r] = add_dot4(dot[r], w1, _mm256_set1_epi32(a_hi[t * M + r]));
+          }
+        } else {
+          const __m256i w = _mm256_xor_si256(v, top);
+          const __m256i w_abs = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 4
+          for (int r = 0; r < ROWS; ++r)
+            dot[r] = add_dot4(dot[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(a_lo[t * M + r]), w));
+        }
+      }
+      const float* dg = d_t + (g0 / kActBlock) * M;
+      const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 vd = _mm256_set1_ps(dg[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, vd), acc[r]);
+        if constexpr (FORMAT != kBytes) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(cg[r]), acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      __m256 out = acc[r];
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + p * kPanel + h * 8));
+      _mm256_storeu_ps(y + r * N + p * kPanel + h * 8, out);
+    }
+  }
+}
+
+template <int FORMAT, int G>
+void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                       int64_t N, const float* bias) {
+  constexpr int kRows = 4;
+  const int32_t* quads = a.quads.data_ptr<int32_t>();
+  const float* d_t = a.d_t.data_ptr<float>();
+  const float* sums = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
+                 : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
+                 : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
+                             : &q8tile_avx2<FORMAT, G, 1>;
+    tile(quads + m0, d_t + m0, sums + m0, M, K, panel, p, y + m0 * N, N, bias);
+  }
+}
 #else
 constexpr bool kHaveVnni = false;
+#endif
+#if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
+constexpr bool kHaveQ8Vector = true;
+#else
+constexpr bool kHaveQ8Vector = false;
 #endif
 
 template <int FORMAT, int G>
@@ -273,6 +367,12 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
         if (M == 1) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
         else if (M <= 6) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
         else q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
+        continue;
+      }
+#elif defined(__AVX2__)
+      if (!reference) {
+        for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
+          q8_run_panel_avx2<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
         continue;
       }
 #endif

@@ -58,7 +58,8 @@ def load_or_make_calibration(
     folder: Path | None,
     log: Callable[[str], None] | None = None,
 ) -> list[CalibrationItem]:
-    """The full model's greedy continuations, from ``folder``/calibration-<key>.json when it is there."""
+    """The full model's greedy continuations, from ``folder``/calibration-<key>.json when it is
+    there."""
     path = folder / f"calibration-{key[:12]}.json" if folder is not None else None
     if path is not None and path.is_file():
         try:
@@ -71,8 +72,8 @@ def load_or_make_calibration(
     for number, (prompt, ids) in enumerate(zip(prompts, prompt_ids), 1):
         if log:
             log(
-                f"calibration {number}/{len(prompts)}: greedy continuation of prompt {prompt.id} ({prompt.category}, "
-                f"{len(ids)} prompt tokens)"
+                f"calibration {number}/{len(prompts)}: greedy continuation of prompt {prompt.id} "
+                f"({prompt.category}, {len(ids)} prompt tokens)"
             )
         result = engine.generate(list(ids), None, max_new_tokens=tokens)
         items.append(CalibrationItem(prompt.id, prompt.category, list(ids), list(result.token_ids)))

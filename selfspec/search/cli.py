@@ -26,7 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
         default=DEFAULT_PROMPTS,
-        help=f"calibration prompts: a .jsonl file or spec-bench[:cat,...] (default {DEFAULT_PROMPTS})",
+        help=(
+            "calibration prompts: a .jsonl file or spec-bench[:cat,...] (default "
+            f"{DEFAULT_PROMPTS})"
+        ),
     )
     parser.add_argument(
         "--limit",
@@ -61,14 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default=None,
         help="plan to write (default: for a bundled model the user's plan folder, "
-        "~/.cache/selfspec/plans/<model>/, where `selfspec generate` looks first; else ./plan.json)",
+        "~/.cache/selfspec/plans/<model>/, where `selfspec generate` looks first; else "
+        "./plan.json)",
     )
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     parser.add_argument(
         "--confirm",
         type=int,
         default=DEFAULT_CONFIRM,
-        help=f"best distinct trials to confirm by real generation (default {DEFAULT_CONFIRM}; 0: none)",
+        help=(
+            f"best distinct trials to confirm by real generation (default {DEFAULT_CONFIRM}; 0: "
+            "none)"
+        ),
     )
     parser.add_argument(
         "--no-chat",

@@ -1,4 +1,5 @@
-"""Confirmation: the best trials timed for real, interleaved with plain decoding, prompt by prompt."""
+"""Confirmation: the best trials timed for real, interleaved with plain decoding, prompt by
+prompt."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def confirm_plans(
     excluded), the same end to end, mean accepted length, acceptance rate and whether every
     output was identical to plain decoding.
     """
-    drafters = [engine.self_drafter(plan) for plan in plans]
+    drafters = [engine.layer_skip_drafter(plan) for plan in plans]
     configs = [engine.decode_config(p, max_new_tokens=tokens, fallback=fallback) for p in plans]
     _warm_up(engine, items[0].prompt_ids, plans, drafters, min(8, tokens), fallback)
     runs: list[list[GenerationResult]] = [[] for _ in plans]

@@ -20,7 +20,8 @@ VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12)
 
 @dataclass
 class CostModel:
-    """Measured seconds of the passes a speculative round is made of (one device, one context length)."""
+    """Measured seconds of the passes a speculative round is made of (one device, one context
+    length)."""
 
     full_step: float  # a plain decoding step: one token through the full model, prefix cached
     base_step: float  # one token with every sublayer skipped: embedding, final norm, head, argmax
@@ -48,7 +49,8 @@ class CostModel:
         return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
     def draft_step(self, attention_kept: int, mlp_kept: int, draft_vocab: int = 0) -> float:
-        """A draft step; ``draft_vocab`` > 0: its head scores only that many token ids (cost linear in rows)."""
+        """A draft step; ``draft_vocab`` > 0: its head scores only that many token ids (cost linear
+        in rows)."""
         saved = self.head * (1 - draft_vocab / self.vocab) if 0 < draft_vocab < self.vocab else 0.0
         return (
             self.base_step
@@ -59,7 +61,8 @@ class CostModel:
         )
 
     def prefix_fraction(self, first_skipped_sublayer: int) -> float:
-        """Share of the layer stack's cost before the first skipped sublayer (the verify pass resumes there)."""
+        """Share of the layer stack's cost before the first skipped sublayer (the verify pass
+        resumes there)."""
         s = first_skipped_sublayer
         attention_before, mlp_before = (s + 1) // 2, s // 2
         total = self.num_layers * (self.attention + self.mlp)
@@ -70,7 +73,8 @@ class CostModel:
         )
 
     def verify_cost(self, rows: int, tail_rows: int, prefix_fraction: float = 0.0) -> float:
-        """A verify pass over ``rows`` tokens that resumes from the draft's hidden states at the first
+        """A verify pass over ``rows`` tokens that resumes from the draft's hidden states at the
+        first
         skipped sublayer; ``tail_rows`` rows (0 or 1) the draft did not cover run the prefix too."""
         total = self._interp(self.verify_sizes, self.verify, rows)
         base = self._interp(self.verify_sizes, self.verify_base, rows)
@@ -91,7 +95,8 @@ class CostModel:
 
 
 def non_decreasing(values: list[float]) -> list[float]:
-    """Least-squares non-decreasing fit (pool adjacent violators): a pass over more tokens never costs less."""
+    """Least-squares non-decreasing fit (pool adjacent violators): a pass over more tokens never
+    costs less."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([v, 1])

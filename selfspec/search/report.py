@@ -21,7 +21,8 @@ POLICY_PARAMS = ("max_draft_tokens", "confidence_threshold", "adaptive_threshold
 
 
 def sublayer_importances(study: optuna.Study, num_layers: int) -> tuple[dict[str, float], str]:
-    """Optuna parameter importances (fANOVA, else PED-ANOVA); ({}, reason) when they cannot be computed."""
+    """Optuna parameter importances (fANOVA, else PED-ANOVA); ({}, reason) when they cannot be
+    computed."""
     import optuna
 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
@@ -38,7 +39,8 @@ def sublayer_importances(study: optuna.Study, num_layers: int) -> tuple[dict[str
 
 
 def skip_effects(ranked: list, num_layers: int) -> dict[str, float]:
-    """Mean predicted speedup of completed trials skipping a sublayer minus that of those keeping it."""
+    """Mean predicted speedup of completed trials skipping a sublayer minus that of those keeping
+    it."""
     effects = {}
     for kind in ("attn", "mlp"):
         for i in range(num_layers):
@@ -207,9 +209,9 @@ def _confirmation_section(confirmations: list[dict]) -> list[str]:
         "",
         "## Confirmation (real generation vs plain decoding, interleaved)",
         "",
-        "Each candidate and plain decoding generate on every calibration prompt, prompt by prompt in "
-        "rotating order; speedup = plain decode seconds / plan decode seconds (prefill excluded), "
-        "median over prompts. The speed model predicts speculation throughout; "
+        "Each candidate and plain decoding generate on every calibration prompt, prompt by "
+        "prompt in rotating order; speedup = plain decode seconds / plan decode seconds (prefill "
+        "excluded), median over prompts. The speed model predicts speculation throughout; "
         + (
             "here the fallback to plain decoding was on, which lifts plans slower than plain "
             "towards 1.0x."

@@ -40,9 +40,9 @@ class SearchResult:
         if self.measured_speedup is not None:
             c = next((c for c in self.confirmations if c.get("chosen")), {})
             lines.append(
-                f"measured speedup {self.measured_speedup:.2f}x (median over prompts, decode phase), "
-                f"mean accepted length {c.get('mean_accepted_length', 0):.2f}, "
-                f"acceptance {c.get('acceptance_rate', 0):.2f}"
+                f"measured speedup {self.measured_speedup:.2f}x (median over prompts, decode "
+                f"phase), mean accepted length {c.get('mean_accepted_length', 0):.2f}, acceptance "
+                f"{c.get('acceptance_rate', 0):.2f}"
             )
             if not self.beats_plain:
                 lines.append(

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from selfspec.plan import SkipPlan
 
 MAX_DRAFT_RANGE = (2, 10)
-# Draft heads over the first N token ids (0: the whole vocabulary); sizes past the vocabulary drop out.
+# Draft heads over the first N token ids (0: the whole vocabulary); sizes past the vocabulary drop
+# out.
 DRAFT_VOCAB_CHOICES = (0, 16384, 32768, 65536)
 THRESHOLD_RANGE = (0.0, 0.9)
 THRESHOLD_STEP = 0.05
@@ -68,10 +69,12 @@ def warm_starts(
     random_starts: int = 5,
     vocab_choices=(0,),
 ) -> list[dict]:
-    """The first trials of a study, in order: the plan already at --out, nothing skipped, evenly spaced
-    skips in the middle half (every third / every other attention, every other MLP, every other whole
-    layer), then a few seeded random sparse plans (10-35% of the sublayers between the first two and the
-    last layer). Independent random flags would skip half the model and prune; these start TPE nearby."""
+    """The first trials of a study, in order: the plan already at --out, nothing skipped, evenly
+    spaced
+    skips in the middle half (every third / every other attention, every other MLP, every other
+    whole layer), then a few seeded random sparse plans (10-35% of the sublayers between the
+    first two and the last layer). Independent random flags would skip half the model and
+    prune; these start TPE nearby."""
     import random
 
     L = num_layers

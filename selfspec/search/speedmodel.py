@@ -49,8 +49,8 @@ class SpeedModel:
         )
         if not self.items:
             raise SelfSpecError(
-                "every calibration continuation is shorter than 2 tokens (the model stopped at once); "
-                "use other prompts or more --tokens."
+                "every calibration continuation is shorter than 2 tokens (the model stopped at "
+                "once); use other prompts or more --tokens."
             )
         self.runner = engine.runner
         self.max_len = max(len(i.prompt_ids) + len(i.continuation) for i in self.items) + 2
@@ -65,7 +65,8 @@ class SpeedModel:
             )
 
     def draft_predictions(self, index: int, skip_attention, skip_mlp, draft_vocab: int = 0):
-        """(agree [n] bool list, top probability [n] list) of the draft along item ``index``'s continuation."""
+        """(agree [n] bool list, top probability [n] list) of the draft along item ``index``'s
+        continuation."""
         import torch
 
         item = self.items[index]
@@ -95,7 +96,8 @@ class SpeedModel:
         on_prompt: Callable[[int, float], bool] | None = None,
         draft_vocab: int = 0,
     ) -> TrialEval:
-        """Score a plan. ``on_prompt(index, agreement so far)`` may return True to stop early (pruned)."""
+        """Score a plan. ``on_prompt(index, agreement so far)`` may return True to stop early
+        (pruned)."""
         L = self.costs.num_layers
         skip_attention, skip_mlp = sorted(set(skip_attention)), sorted(set(skip_mlp))
         probe = SkipPlan(ModelIdentity("", "", L, ""), skip_attention, skip_mlp)

@@ -1,4 +1,5 @@
-"""Optuna storages: opening one from a URL with a clear error, and showing URLs without passwords."""
+"""Optuna storages: opening one from a URL with a clear error, and showing URLs without
+passwords."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ def redact(url: str) -> str:
 
 
 def storage_text(url: str) -> str:
-    """The storage URL to show and record: password redacted, a SQLite file under the working folder relative."""
+    """The storage URL to show and record: password redacted, a SQLite file under the working folder
+    relative."""
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///") :])
         try:
@@ -58,7 +60,7 @@ def open_storage(url: str):
     except (Exception, SystemExit) as exc:  # sqlalchemy/driver errors come in many types
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise SelfSpecError(
-            f"cannot open Optuna storage '{redact(url)}' ({type(exc).__name__}: {detail}). Check the URL, that "
-            "the database server is reachable and that its driver is installed (psycopg2-binary for postgresql://, "
-            "pymysql for mysql+pymysql://)."
+            f"cannot open Optuna storage '{redact(url)}' ({type(exc).__name__}: {detail}). Check "
+            "the URL, that the database server is reachable and that its driver is installed "
+            "(psycopg2-binary for postgresql://, pymysql for mysql+pymysql://)."
         ) from None

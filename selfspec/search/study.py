@@ -1,4 +1,5 @@
-"""``search_plan``: the study from end to end (calibrate, measure costs, run trials, confirm, write).
+"""``search_plan``: the study from end to end (calibrate, measure costs, run trials, confirm,
+write).
 
 The objective, the study and its storage URL follow Optuna's own examples, so several workers
 sharing one storage share one study for free.
@@ -118,7 +119,8 @@ def _prompt_list(prompts, limit: int | None) -> tuple[list[Prompt], str]:
 
 
 def _current_plan(out: Path, engine: Engine) -> SkipPlan | None:
-    """The plan already at ``out`` (the search's first warm start), refusing one for another model."""
+    """The plan already at ``out`` (the search's first warm start), refusing one for another
+    model."""
     if not out.exists():
         return None
     try:
@@ -133,7 +135,8 @@ def _current_plan(out: Path, engine: Engine) -> SkipPlan | None:
 
 
 def _open_study(storage, folder: Path, study_name: str, meta: dict, min_agreement: float):
-    """(study, storage as shown): create or resume the study, refusing one made for other settings."""
+    """(study, storage as shown): create or resume the study, refusing one made for other
+    settings."""
     optuna = silence_optuna()
     if storage is None:
         storage = f"sqlite:///{folder / 'study.db'}"

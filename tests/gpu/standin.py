@@ -1,4 +1,5 @@
-"""Write a randomly initialised stand-in of a model: its config and tokenizer, random bfloat16 weights.
+"""Write a randomly initialised stand-in of a model: its config and tokenizer, random bfloat16
+weights.
 
 The lent GPU machine reaches no package index, so the bundled models' weights cannot get
 there. What a forward pass costs depends on the shapes alone, so `selfspec profile` and the

@@ -1,0 +1,240 @@
+"""The default drafter: free context drafts where the context repeats itself, layer-skip drafts
+where they pay, plain decoding otherwise, each round chosen from measured costs.
+
+Per round, for every way to draft, the drafter estimates the tokens the round would emit (from
+the acceptance it has measured for that kind of draft) and what the round would cost (from the
+verify passes and draft steps it has timed in this generation), and picks the way with the most
+tokens per second, drafting nothing when no draft beats a plain step. A kind of draft believed
+unprofitable is tried again now and then, so an early bad estimate is never final.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from selfspec.drafters.base import (
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftSettings,
+    RoundOutcome,
+    point_masses,
+)
+from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
+
+if TYPE_CHECKING:
+    from selfspec.drafters.layerskip import SelfSkipDrafter
+
+_PRIOR_ACCEPTANCE = 0.6  # what a kind of draft is assumed to achieve before it is measured
+_PRIOR_WEIGHT = 2.0  # in rounds
+_ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
+_PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
+_GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
+_DECAY = 0.97  # per round, the weight of what was measured before
+
+
+class PassCosts:
+    """Seconds of verify passes by row count, and of layer-skip draft steps, timed in this
+    generation."""
+
+    def __init__(self) -> None:
+        self.verify: dict[int, float] = {}
+        self.draft_step: float | None = None
+        self._estimates: dict[int, float | None] = {}  # verify_cost answers since the last record
+
+    @staticmethod
+    def _ema(old: float | None, new: float, keep: float = 0.7) -> float:
+        return new if old is None else keep * old + (1 - keep) * new
+
+    def record(self, outcome: RoundOutcome, steps: int) -> None:
+        self._estimates.clear()
+        if outcome.verify_seconds > 0:
+            self.verify[outcome.rows] = self._ema(
+                self.verify.get(outcome.rows), outcome.verify_seconds
+            )
+        if steps and outcome.draft_seconds > 0:
+            self.draft_step = self._ema(self.draft_step, outcome.draft_seconds / steps)
+
+    def verify_cost(self, rows: int) -> float | None:
+        if rows not in self._estimates:
+            self._estimates[rows] = self._estimate(rows)
+        return self._estimates[rows]
+
+    def _estimate(self, rows: int) -> float | None:
+        """Interpolated between timed row counts; past them, the slope of the last two (or a
+        prior)."""
+        if rows in self.verify:
+            return self.verify[rows]
+        known = sorted(self.verify)
+        if not known:
+            return None
+        below = [r for r in known if r < rows]
+        above = [r for r in known if r > rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (rows - lo) / (hi - lo)
+            return (1 - w) * self.verify[lo] + w * self.verify[hi]
+        base = self.verify[known[0]] if not below else self.verify[below[-1]]
+        slope = _ROW_COST_PRIOR * self.verify[known[0]] / 1.0
+        if len(known) >= 2 and below:
+            a, b = known[-2], known[-1]
+            slope = max(slope * 0.5, (self.verify[b] - self.verify[a]) / (b - a))
+        anchor = below[-1] if below else known[0]
+        return base + slope * (rows - anchor)
+
+
+class Acceptance:
+    """P(the i-th drafted token is kept | the ones before it were), per kind of draft; older rounds
+    count less and less, so the estimate follows the stream."""
+
+    def __init__(self, width: int) -> None:
+        self.tried = [0.0] * width
+        self.kept = [0.0] * width
+
+    def rate(self, i: int) -> float:
+        i = min(i, len(self.tried) - 1)
+        return (self.kept[i] + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self.tried[i] + _PRIOR_WEIGHT)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.tried = [t * _DECAY for t in self.tried]
+        self.kept = [k * _DECAY for k in self.kept]
+        for i in range(min(drafted, len(self.tried))):
+            if i > accepted:
+                break
+            self.tried[i] += 1
+            self.kept[i] += i < accepted
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round emits when it drafts k: the target's own token plus the kept prefix."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i)
+            total += survive
+        return total
+
+
+class AdaptiveDrafter(Drafter):
+    """Context n-gram drafts, layer-skip drafts (with a plan) or none, chosen round by round."""
+
+    name = "self_speculative"
+
+    def __init__(
+        self,
+        vocab: int,
+        layer_skip: SelfSkipDrafter | None = None,
+        max_tokens: int = 16,
+        min_ngram: int = MIN_NGRAM,
+        planned: bool = True,
+    ):
+        """``planned=False``: draft every context match in full, without weighing costs (tests)."""
+        super().__init__()
+        self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
+        self.planned = planned
+        self.plan = layer_skip.plan if layer_skip is not None else None
+        self.index = ContextIndex(min_ngram=min_ngram)
+        # What it measures describes the machine, the model and the stream: it carries over from one
+        # generation to the next (the estimates weigh recent rounds most).
+        self.costs = PassCosts()
+        self.ngram: dict[int, Acceptance] = {}  # by n-gram length
+        self.skip = Acceptance(max_tokens)
+        self.rounds = 0
+        self.next_skip_probe = 0  # round at which layer-skip drafting is next tried regardless
+        self.probe_gap = _PROBE_EVERY
+        self._steps = 0  # layer-skip draft steps of the current round
+        self._ngram_n = 0
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return (
+                "drafts from the context (n-gram lookup) where it repeats itself, chosen each round"
+            )
+        return (
+            "drafts from the context where it repeats itself, else layer-skip drafts where they "
+            f"pay (chosen each round from measured costs); {self.plan.describe()}"
+        )
+
+    def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
+        super().begin(prompt_ids, max_len, settings)
+        self.index.reset()
+        if self.layer_skip is not None:
+            self.layer_skip.begin(prompt_ids, max_len, settings)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _best_length(self, acceptance: Acceptance, limit: int, step: float = 0.0) -> int:
+        """The draft length with the most expected tokens per second (0: a plain step beats them
+        all): a round drafting k emits 1 + sum_i prod_{j<=i} a_j tokens and costs k draft steps of
+        ``step`` seconds plus a verify pass over k + 1 rows."""
+        plain = self.costs.verify_cost(1)
+        best_k, best_rate = 0, _GAIN_MARGIN / plain
+        tokens, survive = 1.0, 1.0
+        for k in range(1, limit + 1):
+            survive *= acceptance.rate(k - 1)
+            tokens += survive
+            rate = tokens / (self.costs.verify_cost(k + 1) + k * step)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    # -- drafting -------------------------------------------------------------------------------
+    def draft(self, request: DraftRequest) -> Draft:
+        self.rounds += 1
+        self._steps, self._ngram_n = 0, 0
+        limit = min(request.max_tokens, self.max_tokens)
+        if self.planned and self.costs.verify_cost(1) is None:
+            return Draft()  # time a plain step first: plans need it
+        self.index.sync(request.committed)
+        match = self.index.lookup(limit)
+        if match is not None:
+            acceptance = self.ngram.setdefault(match.ngram, Acceptance(self.max_tokens))
+            k = (
+                self._best_length(acceptance, len(match.tokens))
+                if self.planned
+                else len(match.tokens)
+            )
+            if k:
+                self._ngram_n = match.ngram
+                tokens = match.tokens[:k]
+                probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
+                return Draft(tokens, probs, source="ngram")
+        return self._layer_skip_draft(request, limit)
+
+    def _layer_skip_draft(self, request: DraftRequest, limit: int) -> Draft:
+        if self.layer_skip is None:
+            return Draft()
+        k = 0
+        if self.costs.draft_step is not None:
+            k = self._best_length(self.skip, limit, self.costs.draft_step)
+        if k:
+            self.probe_gap = _PROBE_EVERY
+        elif self.rounds >= self.next_skip_probe:
+            # Believed unprofitable (or never measured): try it anyway now and then, less often
+            # each time it disappoints, so an early bad estimate is never final.
+            k = min(limit, 4)
+            self.next_skip_probe = self.rounds + self.probe_gap
+            self.probe_gap = min(16 * _PROBE_EVERY, 2 * self.probe_gap)
+        if not k:
+            return Draft()
+        sub = DraftRequest(request.committed, k, request.sampling, request.generator)
+        draft = self.layer_skip.draft(sub)
+        self._steps = self.layer_skip.last_steps
+        draft.source = "layer_skip"
+        return draft
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        # The confidence threshold is the layer-skip drafter's: only its rounds move it.
+        self.guard.record(
+            outcome.drafted, outcome.accepted, outcome.draft_seconds, outcome.verify_seconds
+        )
+        self.learn(outcome)
+
+    def learn(self, outcome: RoundOutcome) -> None:
+        self.costs.record(outcome, self._steps)
+        if outcome.source == "ngram":
+            self.ngram[self._ngram_n].record(outcome.drafted, outcome.accepted)
+        elif outcome.source == "layer_skip":
+            self.skip.record(outcome.drafted, outcome.accepted)
+            self.layer_skip.observe(outcome)
+
+    def policy_defaults(self) -> dict:
+        defaults = self.layer_skip.policy_defaults() if self.layer_skip is not None else {}
+        return {**defaults, "max_draft_tokens": self.max_tokens}

@@ -1,0 +1,146 @@
+"""The drafter interface: what the decode loop asks of anything that proposes tokens.
+
+The loop calls ``begin`` once per generation, ``propose`` once per round and ``observe`` with the
+round's outcome. Adaptation lives in the drafter, never in the loop: the confidence threshold
+(``AdaptiveThreshold``), what the drafter learns from the stream it serves, and the guard that
+pauses drafting while it is measurably slower than plain decoding (and tries again later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from selfspec.adaptation import AdaptiveThreshold, SpeedGuard
+
+if TYPE_CHECKING:
+    from selfspec.runner import Resume
+    from selfspec.sampling import Sampling
+
+
+@dataclass
+class DraftRequest:
+    """What the loop tells a drafter each round."""
+
+    committed: list[
+        int
+    ]  # every token so far, prompt included; the last is not yet in the target cache
+    max_tokens: int
+    sampling: Sampling
+    generator: torch.Generator | None
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = (
+        None  # [len(tokens), vocab]: q each token was drawn from (sampling only)
+    )
+    resume: Resume | None = (
+        None  # hidden states the verify pass can start from (self-drafting only)
+    )
+    source: str = ""  # which drafter made it (stats)
+
+
+@dataclass
+class DraftSettings:
+    """Per generation: the confidence threshold to start from, and whether the guard may pause
+    drafting."""
+
+    threshold: AdaptiveThreshold = field(default_factory=AdaptiveThreshold)
+    fallback: bool = True
+
+
+@dataclass
+class RoundOutcome:
+    """How a round went: what was drafted and kept, and what the round cost."""
+
+    drafted: int
+    accepted: int
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    source: str = ""
+
+    @property
+    def rows(self) -> int:
+        return self.drafted + 1  # the verify pass scores the pending token and the drafts
+
+
+class Drafter:
+    """Interface. Subclasses implement ``draft`` (and ``learn`` if they learn from outcomes).
+
+    ``propose`` may return an empty draft: the round is then a plain decoding step. It does so on
+    its own while the guard has paused drafting (speculation measured slower than plain decoding).
+    """
+
+    name = "drafter"
+
+    def __init__(self) -> None:
+        self.settings = DraftSettings()
+        self.guard = SpeedGuard()
+
+    @property
+    def threshold(self) -> AdaptiveThreshold:
+        return self.settings.threshold
+
+    def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
+        self.settings = settings
+        self.guard = SpeedGuard(enabled=settings.fallback)
+
+    def propose(self, request: DraftRequest) -> Draft:
+        if self.guard.paused():
+            return Draft()
+        return self.draft(request)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        self.threshold.update(outcome.drafted, outcome.accepted)
+        self.guard.record(
+            outcome.drafted, outcome.accepted, outcome.draft_seconds, outcome.verify_seconds
+        )
+        self.learn(outcome)
+
+    def draft(self, request: DraftRequest) -> Draft:
+        raise NotImplementedError
+
+    def learn(self, outcome: RoundOutcome) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+    def policy_defaults(self) -> dict:
+        """DecodeConfig fields this drafter brings (a plan's draft policy); explicit settings
+        win."""
+        return {}
+
+
+def point_masses(tokens: list[int], vocab: int) -> torch.Tensor:
+    """q for tokens proposed with certainty (copied, not sampled): one-hot rows [len, vocab]."""
+    probs = torch.zeros(len(tokens), vocab)
+    probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return probs
+
+
+def draft_loop(step, first_token: int, request: DraftRequest, threshold: float):
+    """Autoregressive drafting: ``step(token, offset)`` returns (logits [vocab], extra).
+
+    Stops at max_tokens, or before proposing a token whose drafter confidence is below threshold.
+    Returns (tokens, probs list, extras list); extras has one entry per step run.
+    """
+    tokens, probs, extras = [], [], []
+    token = first_token
+    for offset in range(request.max_tokens):
+        logits, extra = step(token, offset)
+        extras.append(extra)
+        q = request.sampling.probs(logits)
+        if float(q.max()) < threshold:
+            break
+        if request.sampling.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = int(torch.multinomial(q, 1, generator=request.generator))
+        tokens.append(token)
+        probs.append(q)
+    return tokens, probs, extras

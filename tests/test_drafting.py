@@ -1,0 +1,205 @@
+"""The default drafter: context n-gram drafts (and layer-skip drafts where they pay), chosen each
+round from measured costs. Lossless in greedy decoding and in sampling; adapts; never stays off."""
+
+import pytest
+import torch
+
+from selfspec.adaptation import SpeedGuard
+from selfspec.drafters import AdaptiveDrafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters.adaptive import Acceptance, PassCosts
+from selfspec.drafters.ngram import ContextIndex
+from selfspec.sampling import Sampling
+
+# ------------------------------------------------------------------------------ the context index
+
+
+def lookup(tokens, max_tokens=8, **kwargs):
+    index = ContextIndex(**kwargs)
+    index.sync(tokens)
+    return index.lookup(max_tokens)
+
+
+def test_longest_most_recent_match_and_what_followed_it():
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 0, 2, 3]
+    m = lookup(tokens)
+    assert (m.ngram, m.end) == (2, 6)  # "2 3" last ended at 6 (3-grams "0 2 3" never occurred)
+    assert m.tokens == [7, 5, 0, 2, 3]  # what followed, up to the present
+    tokens = tokens + [7]
+    m = lookup(tokens)
+    assert (m.ngram, m.end, m.tokens) == (3, 7, [5, 0, 2, 3, 7])
+    assert lookup(tokens, max_tokens=2).tokens == [5, 0]
+
+
+def test_no_match_without_an_earlier_occurrence():
+    assert lookup([1, 2, 3, 4, 5]) is None
+    assert lookup([4, 4]) is None  # "4 4" only as the suffix itself
+    assert lookup([4, 4, 4]).tokens == [4]  # the earlier "4 4" (ending at 1) was followed by 4
+
+
+def test_incremental_indexing_matches_a_fresh_index():
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6, (300,), generator=gen).tolist()
+    growing = ContextIndex()
+    for length in range(2, len(tokens)):
+        growing.sync(tokens[:length])
+        fresh = lookup(tokens[:length], max_tokens=6)
+        got = growing.lookup(6)
+        assert (got is None) == (fresh is None)
+        if got is not None:
+            assert (got.tokens, got.ngram, got.end) == (fresh.tokens, fresh.ngram, fresh.end)
+
+
+# ----------------------------------------------------------------------------------- planning
+
+
+def test_pass_costs_interpolate_and_extrapolate():
+    costs = PassCosts()
+    assert costs.verify_cost(1) is None
+    for rows, seconds in ((1, 0.10), (3, 0.12), (5, 0.20)):
+        costs.record(RoundOutcome(rows - 1, 0, 0.0, seconds), steps=0)
+    assert costs.verify_cost(2) == pytest.approx(0.11)
+    assert costs.verify_cost(4) == pytest.approx(0.16)
+    assert costs.verify_cost(7) == pytest.approx(0.28)  # the last two's slope: 0.04 per row
+
+
+def test_acceptance_is_conditional_on_the_prefix():
+    a = Acceptance(4)
+    for _ in range(50):
+        a.record(drafted=4, accepted=1)  # first kept, second rejected, later ones never judged
+    assert a.rate(0) > 0.9 and a.rate(1) < 0.1 and a.tried[2] == 0
+    assert a.expected_tokens(0) == 1.0
+    assert a.expected_tokens(2) == pytest.approx(1 + a.rate(0) + a.rate(0) * a.rate(1))
+
+
+def round_of(drafter, committed, max_tokens=8):
+    return drafter.propose(DraftRequest(list(committed), max_tokens, Sampling(), None))
+
+
+def test_drafts_only_when_the_measured_costs_say_it_pays():
+    drafter = AdaptiveDrafter(vocab=100)
+    drafter.begin([1], 64, DraftSettings(fallback=False))
+    context = [5, 6, 7, 8, 9, 5, 6, 7]
+    assert round_of(drafter, context).tokens == []  # no plain step timed yet
+    drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+    draft = round_of(drafter, context)
+    assert draft.tokens == [8, 9, 5, 6, 7][: len(draft.tokens)] and draft.source == "ngram"
+    # Rows turn out expensive and drafts wrong: drafting stops paying, so it stops.
+    for _ in range(30):
+        drafter.observe(
+            RoundOutcome(len(draft.tokens), 0, 0.0, 0.100 + 0.08 * len(draft.tokens), "ngram")
+        )
+        draft = round_of(drafter, context)
+        if not draft.tokens:
+            break
+    assert draft.tokens == []
+
+
+def test_the_guard_pauses_slow_drafting_and_tries_again():
+    guard = SpeedGuard(window=4, first_pause=3)
+    guard.record(0, 0, 0.0, 0.1)  # a plain step: 0.1 s
+    for _ in range(4):
+        guard.record(drafted=3, accepted=0, draft_seconds=0.2, verify_seconds=0.12)
+    assert guard.paused() and guard.pauses == 1
+    for _ in range(3):
+        guard.record(0, 0, 0.0, 0.1)
+    assert not guard.paused()  # never permanent: drafting resumes
+    for _ in range(4):
+        guard.record(drafted=3, accepted=3, draft_seconds=0.01, verify_seconds=0.12)
+    assert not guard.paused()  # fast drafting is left alone
+    for _ in range(4):
+        guard.record(drafted=3, accepted=0, draft_seconds=0.2, verify_seconds=0.12)
+    assert guard.pause_left == 6  # the second pause is twice as long
+    assert not SpeedGuard(enabled=False).paused()
+
+
+# ------------------------------------------------------------------------------- losslessness
+
+REPEAT = (
+    "Copy this list exactly, one item per line, then copy it a second time:\n"
+    "alpha beta gamma\ndelta epsilon zeta\neta theta iota\nkappa lambda mu\n"
+)
+
+
+@pytest.mark.slow
+def test_greedy_output_is_identical_to_plain_decoding(smollm2):
+    ids = smollm2.encode(REPEAT, chat=True)
+    plain = smollm2.generate(ids, None, max_new_tokens=60)
+    n = smollm2.identity.num_layers
+    plan = smollm2.make_plan([n // 2], [n // 2 + 1])
+    for drafter in (smollm2.self_drafter(layer_skip=False), smollm2.self_drafter(plan)):
+        out = smollm2.generate(ids, drafter, max_new_tokens=60)
+        assert out.token_ids == plain.token_ids
+        rounds, drafted, accepted = out.stats.sources["ngram"]
+        assert accepted > 0 and out.stats.mean_accepted_length > 1.0
+    # planned=False drafts every match in full (many rejections): still identical
+    greedy = smollm2.generate(
+        ids,
+        AdaptiveDrafter(smollm2.runner.head_rows, planned=False, min_ngram=1),
+        max_new_tokens=60,
+    )
+    assert greedy.token_ids == plain.token_ids and greedy.stats.drafted > greedy.stats.accepted
+
+
+@pytest.fixture
+def sharper_tiny(tiny_llama):
+    """The tiny model with a sharper head (its own text then repeats itself, as real text does,
+    so context drafts are often right and often wrong: both halves of the rule get exercised)."""
+    head = tiny_llama.loaded.model.lm_head.weight
+    with torch.no_grad():
+        original = head.clone()
+        head.mul_(30.0)
+    yield tiny_llama
+    with torch.no_grad():
+        head.copy_(original)
+
+
+def own_text(engine, sampling, length, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = [1]
+    with torch.inference_mode():
+        for _ in range(length):
+            probs = sampling.probs(engine.loaded.model(torch.tensor([tokens])).logits[0, -1])
+            tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return tokens
+
+
+def second_token_counts(engine, prompt, sampling, n):
+    config = engine.decode_config(
+        None, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=3
+    )
+    config.eos_token_ids = ()
+    counts = torch.zeros(64)
+    drafted = accepted = 0
+    for seed in range(n):
+        config.seed = seed
+        drafter = AdaptiveDrafter(64, planned=False, min_ngram=1, max_tokens=3)
+        out = engine.generate(prompt, drafter, config=config)
+        counts[out.token_ids[1]] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0.9 * n and 0.2 * drafted < accepted < 0.8 * drafted  # judged, both ways
+    return counts
+
+
+def test_sampling_with_context_drafts_matches_the_target(sharper_tiny, monkeypatch):
+    """Context drafts are certain (q = 1 for the drafted token): the acceptance rule then keeps a
+    draft with probability p and resamples from p without it, which leaves p exactly. The same test
+    with the rule broken (resampling from p itself) must fail."""
+    from test_sampling import (
+        SIGNIFICANCE,
+        broken_accept,
+        chi_square_p_value,
+        exact_second_token_marginal,
+    )
+
+    from selfspec import decode
+
+    engine = sharper_tiny
+    sampling = Sampling(temperature=1.0)
+    prompt = own_text(engine, sampling, 150)
+    exact = exact_second_token_marginal(engine, prompt, sampling)
+    counts = second_token_counts(engine, prompt, sampling, 1500)
+    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
+    broken = second_token_counts(engine, prompt, sampling, 1500)
+    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
