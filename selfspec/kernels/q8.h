@@ -293,18 +293,22 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader + h * 32;
       const int32_t* a_lo = quads + (g0 / 4) * M;
       const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
-      __m256i dot[ROWS];
-      for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+      static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
+      __m256i dot[ROWS], pairs[ROWS];
+      for (int r = 0; r < ROWS; ++r) dot[r] = pairs[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int t = 0; t < kSteps; ++t) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
         if constexpr (L::kNibbleQ) {
+          // int16 pair sums of nibbles are at most 2 * 15 * 127: a group's (G / 4 of them per
+          // lane pair) add up without overflow and widen once, after the loop.
           const __m256i w0 = _mm256_and_si256(v, low4);
           const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
 #pragma GCC unroll 4
           for (int r = 0; r < ROWS; ++r) {
-            dot[r] = add_dot4(dot[r], w0, _mm256_set1_epi32(a_lo[t * M + r]));
-            dot[r] = add_dot4(dot[r], w1, _mm256_set1_epi32(a_hi[t * M + r]));
+            const __m256i lo = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(a_lo[t * M + r]));
+            const __m256i hi = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(a_hi[t * M + r]));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_add_epi16(lo, hi));
           }
         } else {
           const __m256i w = _mm256_xor_si256(v, top);
@@ -318,6 +322,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
+        if constexpr (L::kNibbleQ) dot[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
         const __m256 vd = _mm256_set1_ps(dg[r]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, vd), acc[r]);
         if constexpr (FORMAT != kBytes) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(cg[r]), acc[r]);
