@@ -28,7 +28,7 @@ SPEED_HELP = (
     "model's numerics), torch (the model as transformers builds it), cuda-graphs (CUDA: "
     "fixed-shape passes replayed as CUDA graphs), cuda-compiled (the same through torch.compile: "
     "faster passes, a minute of compiling first) or auto (the fastest this machine runs: "
-    "cuda-graphs on CUDA; on a CPU gguf-q8 with AVX-512 VNNI for a GGUF model, else gguf, packed "
+    "cuda-graphs on CUDA; on a CPU gguf-q8 for a GGUF model, else gguf, packed "
     "for other models; default)"
 )
 

@@ -9,9 +9,9 @@ rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit f
 a fifth of the bytes (README, "Speed mode gguf"). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
-Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for AVX-512 VNNI, and
-multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, not the float32
-model's (see ``selfspec.speed``).
+Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for integer dot
+products, and multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, not
+the float32 model's (see ``selfspec.speed``).
 
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
 offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay
@@ -160,10 +160,8 @@ def _q_float_arrangement(decoded: Decoded) -> np.ndarray:
 
 def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
     """[P, groups, bytes] in mode gguf-q8's arrangement: per 4 consecutive k, 16 lanes x 4 bytes
-    (one VNNI
-    operand). Nibbles: vector t holds k = 4t.. in its low nibbles and k = G/2 + 4t.. in its high
-    ones.
-    Bytes: q + 128 as uint8."""
+    (one VNNI operand, or two AVX2 halves). Nibbles: vector t holds k = 4t.. in its low nibbles
+    and k = G/2 + 4t.. in its high ones. Bytes: q + 128 as uint8."""
     n, k = decoded.q.shape
     g, groups = decoded.group, k // decoded.group
     q = decoded.q.reshape(n, groups, g)
@@ -262,8 +260,8 @@ class QuantLinear(nn.Module):
 
 class Q8Linear(QuantLinear):
     """Speed mode gguf-q8: the file's integers times the activations rounded to 8 bits per 32
-    values,
-    summed with integer dot products (AVX-512 VNNI), as llama.cpp does. Not the float32 model's
+    values, summed with integer dot products (AVX-512 VNNI, or AVX2's vpmaddubsw), as llama.cpp
+    does. Not the float32 model's
     numerics, so not its logits; every pass, prefill included, runs the same per-row arithmetic, so
     speculation in this mode is still identical to plain decoding in this mode."""
 

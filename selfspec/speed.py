@@ -12,11 +12,11 @@
   ``packed``, bit for bit, from a fifth of the memory traffic (``selfspec.quantized``). Opt-in;
   for models that came from a GGUF file.
 - ``gguf-q8``: the GGUF file's integers times the activations rounded to 8 bits (per 32 values),
-  summed with integer dot products (AVX-512 VNNI), as llama.cpp does: 2-5x less arithmetic than
-  ``gguf``, so verify passes and prefill cost far less. **Changes the numerics**: the logits are
+  summed with integer dot products (AVX-512 VNNI, else AVX2), as llama.cpp does: less arithmetic
+  than ``gguf``, so verify passes and prefill cost less. **Changes the numerics**: the logits are
   not the float32 model's (relative error about 1e-2 per layer output), and output can differ
   from the other modes after a few tokens. Speculation in this mode is still identical to plain
-  decoding in this mode. Opt-in; CPUs with AVX-512 VNNI.
+  decoding in this mode. The default for GGUF models on x86-64 CPUs.
 - ``cuda-graphs``: CUDA. The model as transformers builds it (bfloat16 by default), every pass
   after prefill run with a fixed shape over a static cache and replayed as a CUDA graph
   (``selfspec.static``): one launch per pass instead of about a thousand. On CUDA the ``torch``
@@ -27,8 +27,9 @@
   compiling takes about a minute per kind of pass (the draft step, the verify pass) on first use
   in a process. Opt-in: for long runs, not one-off prompts.
 - ``auto`` (default): the fastest mode this machine runs: ``cuda-graphs`` on CUDA; on a CPU,
-  for a model that came from a GGUF file (the bundled ones), ``gguf-q8`` with AVX-512 VNNI, else
-  ``gguf``; for other models ``packed``; ``torch`` if the kernel cannot be built.
+  for a model that came from a GGUF file (the bundled ones), ``gguf-q8`` where the kernel has its
+  integer dot products (AVX-512 VNNI or AVX2), else ``gguf``; for other models ``packed``;
+  ``torch`` if the kernel cannot be built.
 
 Modules are swapped on the one model instance selfspec loaded; transformers itself is untouched.
 """
@@ -152,8 +153,8 @@ def pack_model(model: nn.Module) -> int:
 def resolve_speed_mode(mode: str, device, dtype, from_gguf: bool = False) -> str:
     """The mode that will actually run. ``auto`` becomes the fastest this machine runs: on CUDA
     ``cuda-graphs``; on a CPU, for a model read from a GGUF file (``from_gguf``), ``gguf-q8`` with
-    AVX-512 VNNI, else ``gguf``; for other models ``packed``; ``torch`` where the kernel cannot be
-    built."""
+    integer dot products, else ``gguf``; for other models ``packed``; ``torch`` where the kernel
+    cannot be built."""
     if mode not in SPEED_MODES:
         raise SelfSpecError(
             f"unknown speed mode '{mode}'. Choose one of: {', '.join(SPEED_MODES)}."
@@ -174,8 +175,8 @@ def resolve_speed_mode(mode: str, device, dtype, from_gguf: bool = False) -> str
         kernel = load_kernel()  # raises a clear error when it cannot be built
         if mode == "gguf-q8" and not kernel.q8_vectorized():
             raise SelfSpecError(
-                "--speed gguf-q8 needs a CPU with AVX-512 VNNI (integer dot products), which this "
-                "one lacks; use --speed gguf (same weights, float32 arithmetic)."
+                "--speed gguf-q8 needs integer dot products (AVX-512 VNNI or AVX2), which this "
+                "build of the kernel lacks; use --speed gguf (same weights, float32 arithmetic)."
             )
         return mode
     if mode == "auto":

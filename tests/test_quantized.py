@@ -119,7 +119,7 @@ def test_q8_mode_needs_vnni(monkeypatch):
             return False
 
     monkeypatch.setattr(speed, "load_kernel", lambda: NoVnni())
-    with pytest.raises(SelfSpecError, match="needs a CPU with AVX-512 VNNI.*use --speed gguf"):
+    with pytest.raises(SelfSpecError, match="needs integer dot products.*use --speed gguf"):
         speed.resolve_speed_mode("gguf-q8", "cpu", torch.float32)
 
 
@@ -228,7 +228,7 @@ def qwen05_q8():
     from selfspec.engine import Engine
 
     if not kernel_available() or not load_kernel().q8_vectorized():
-        pytest.skip("speed mode gguf-q8 needs AVX-512 VNNI")
+        pytest.skip("speed mode gguf-q8 needs integer dot products (AVX-512 VNNI or AVX2)")
     return Engine.load("qwen2.5-coder-0.5b", speed="gguf-q8")
 
 

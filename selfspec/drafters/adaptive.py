@@ -30,6 +30,9 @@ _PRIOR_WEIGHT = 2.0  # in rounds
 _ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
 _PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
 _GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
+# Layer-skip rounds cost more than their timed steps say (the draft's own overhead, cache rows it
+# rewrites) and their estimate is noisier: they must promise more.
+_SKIP_MARGIN = 1.10
 _DECAY = 0.97  # per round, the weight of what was measured before
 
 
@@ -160,12 +163,14 @@ class AdaptiveDrafter(Drafter):
             self.layer_skip.begin(prompt_ids, max_len, settings)
 
     # -- planning ---------------------------------------------------------------------------------
-    def _best_length(self, acceptance: Acceptance, limit: int, step: float = 0.0) -> int:
+    def _best_length(
+        self, acceptance: Acceptance, limit: int, step: float = 0.0, margin: float = _GAIN_MARGIN
+    ) -> int:
         """The draft length with the most expected tokens per second (0: a plain step beats them
         all): a round drafting k emits 1 + sum_i prod_{j<=i} a_j tokens and costs k draft steps of
         ``step`` seconds plus a verify pass over k + 1 rows."""
         plain = self.costs.verify_cost(1)
-        best_k, best_rate = 0, _GAIN_MARGIN / plain
+        best_k, best_rate = 0, margin / plain
         tokens, survive = 1.0, 1.0
         for k in range(1, limit + 1):
             survive *= acceptance.rate(k - 1)
@@ -203,13 +208,13 @@ class AdaptiveDrafter(Drafter):
             return Draft()
         k = 0
         if self.costs.draft_step is not None:
-            k = self._best_length(self.skip, limit, self.costs.draft_step)
+            k = self._best_length(self.skip, limit, self.costs.draft_step, _SKIP_MARGIN)
         if k:
             self.probe_gap = _PROBE_EVERY
         elif self.rounds >= self.next_skip_probe:
             # Believed unprofitable (or never measured): try it anyway now and then, less often
             # each time it disappoints, so an early bad estimate is never final.
-            k = min(limit, 4)
+            k = min(limit, 3)
             self.next_skip_probe = self.rounds + self.probe_gap
             self.probe_gap = min(16 * _PROBE_EVERY, 2 * self.probe_gap)
         if not k:
