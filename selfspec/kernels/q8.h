@@ -268,7 +268,8 @@ inline __m256i add_dot4(__m256i dot, __m256i w_u8, __m256i a_s8) {
   return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, a_s8), _mm256_set1_epi16(1)));
 }
 
-// Rows [0, ROWS) times one panel over all of K, one half (8 lanes) of the panel at a time.
+// Rows [0, ROWS) times one panel over all of K, both halves (8 lanes each) of the panel at once:
+// each weight vector is read and unpacked once for every row of the tile.
 // Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
 // (the reference's sum (q + 128) * a - 128 * S, the same integer).
 template <int FORMAT, int G, int ROWS>
@@ -276,70 +277,87 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
                  const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
   constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;
+  static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
   const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-      // (through memory: on AVX-512 CPUs without VNNI a vec holds the whole panel's 16 lanes)
-      alignas(64) float scales[kPanel], offsets[kPanel];
-      for (int v = 0; v < kVecPerPanel; ++v) {
-        vec s, o;
-        L::scales(panel, g0 / G, v, s, o);
-        vstore(scales + v * kVec, s);
-        vstore(offsets + v * kVec, o);
-      }
-      const __m256 scale = _mm256_load_ps(scales + h * 8), offset = _mm256_load_ps(offsets + h * 8);
-      const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader + h * 32;
-      const int32_t* a_lo = quads + (g0 / 4) * M;
-      const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
-      static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
-      __m256i dot[ROWS], pairs[ROWS];
-      for (int r = 0; r < ROWS; ++r) dot[r] = pairs[r] = _mm256_setzero_si256();
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    // (through memory: on AVX-512 CPUs without VNNI a vec holds the whole panel's 16 lanes)
+    alignas(64) float scales[kPanel], offsets[kPanel];
+#pragma GCC unroll 2
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      vec s, o;
+      L::scales(panel, g0 / G, v, s, o);
+      vstore(scales + v * kVec, s);
+      vstore(offsets + v * kVec, o);
+    }
+    const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader;
+    const int32_t* a_lo = quads + (g0 / 4) * M;
+    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
+    __m256i dot[ROWS][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int t = 0; t < kSteps; ++t) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
-        if constexpr (L::kNibbleQ) {
-          // int16 pair sums of nibbles are at most 2 * 15 * 127: a group's (G / 4 of them per
-          // lane pair) add up without overflow and widen once, after the loop.
-          const __m256i w0 = _mm256_and_si256(v, low4);
-          const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-#pragma GCC unroll 4
-          for (int r = 0; r < ROWS; ++r) {
-            const __m256i lo = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(a_lo[t * M + r]));
-            const __m256i hi = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(a_hi[t * M + r]));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_add_epi16(lo, hi));
-          }
-        } else {
-          const __m256i w = _mm256_xor_si256(v, top);
-          const __m256i w_abs = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 4
-          for (int r = 0; r < ROWS; ++r)
-            dot[r] = add_dot4(dot[r], w_abs, _mm256_sign_epi8(_mm256_set1_epi32(a_lo[t * M + r]), w));
+    for (int t = 0; t < kSteps; ++t) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64 + 32));
+      if constexpr (L::kNibbleQ) {
+        // int16 pair sums of nibbles are at most 2 * 15 * 127: a group's add up without
+        // overflow and widen once, after the loop.
+        const __m256i w0a = _mm256_and_si256(v0, low4), w0b = _mm256_and_si256(v1, low4);
+        const __m256i w1a = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i w1b = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i a0 = _mm256_set1_epi32(a_lo[t * M + r]);
+          const __m256i a1 = _mm256_set1_epi32(a_hi[t * M + r]);
+          dot[r][0] = _mm256_add_epi16(
+              dot[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(w0a, a0), _mm256_maddubs_epi16(w1a, a1)));
+          dot[r][1] = _mm256_add_epi16(
+              dot[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(w0b, a0), _mm256_maddubs_epi16(w1b, a1)));
+        }
+      } else {
+        const __m256i wa = _mm256_xor_si256(v0, top), wb = _mm256_xor_si256(v1, top);
+        const __m256i wa_abs = _mm256_sign_epi8(wa, wa), wb_abs = _mm256_sign_epi8(wb, wb);
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i a = _mm256_set1_epi32(a_lo[t * M + r]);
+          dot[r][0] = add_dot4(dot[r][0], wa_abs, _mm256_sign_epi8(a, wa));
+          dot[r][1] = add_dot4(dot[r][1], wb_abs, _mm256_sign_epi8(a, wb));
         }
       }
-      const float* dg = d_t + (g0 / kActBlock) * M;
-      const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
-#pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        if constexpr (L::kNibbleQ) dot[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
-        const __m256 vd = _mm256_set1_ps(dg[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(scale, vd), acc[r]);
-        if constexpr (FORMAT != kBytes) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(cg[r]), acc[r]);
+    }
+    const float* dg = d_t + (g0 / kActBlock) * M;
+    const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 vd = _mm256_set1_ps(dg[r]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256i I = dot[r][h];
+        if constexpr (L::kNibbleQ) I = _mm256_madd_epi16(I, _mm256_set1_epi16(1));
+        const __m256 scale = _mm256_load_ps(scales + h * 8);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale, vd), acc[r][h]);
+        if constexpr (FORMAT != kBytes)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_load_ps(offsets + h * 8), _mm256_set1_ps(cg[r]), acc[r][h]);
       }
     }
-    for (int r = 0; r < ROWS; ++r) {
-      __m256 out = acc[r];
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = acc[r][h];
       if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + p * kPanel + h * 8));
       _mm256_storeu_ps(y + r * N + p * kPanel + h * 8, out);
     }
-  }
 }
 
 template <int FORMAT, int G>
 void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                        int64_t N, const float* bias) {
-  constexpr int kRows = 4;
+  constexpr int kRows = 3;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
   const float* sums = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
