@@ -183,12 +183,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_at_least("--max-draft", args.max_draft, 1)
     engine = load_engine(args, _generate_model(args))
-    drafter, plan = _drafter_and_plan(engine, args)
+    drafter, _ = _drafter_and_plan(engine, args)
     method = "autoregressive" if drafter is None else drafter.name
     if drafter is not None and not args.json:
         print(f"[selfspec] {drafter.describe()}", file=sys.stderr)
     config = engine.decode_config(
-        plan,
+        drafter,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
@@ -206,7 +206,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(
             json.dumps(
-                {"method": method, "model": engine.loaded.name, **result.to_dict()}, indent=2
+                {
+                    "method": method,
+                    "model": engine.loaded.name,
+                    "drafter": drafter.describe() if drafter is not None else None,
+                    **result.to_dict(),
+                },
+                indent=2,
             )
         )
         return 0
