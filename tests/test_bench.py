@@ -240,6 +240,10 @@ def test_cli_bench_json_and_files(tmp_path, capsys):
             "bench",
             "--model",
             "smollm2-135m",
+            # transformers' own arithmetic, so identity to hf_generate is exact (auto may pick
+            # gguf-q8, whose 8-bit activations can part from it)
+            "--speed",
+            "torch",
             "--skip-attention",
             "12,14",
             "--prompts",
