@@ -7,8 +7,6 @@ sharing one storage share one study for free.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 import os
 import re
 import sys
@@ -19,15 +17,13 @@ from typing import TYPE_CHECKING
 
 from selfspec.decode import check_context
 from selfspec.errors import SelfSpecError
-from selfspec.machine import device_text
 from selfspec.models import KNOWN_MODELS
 from selfspec.paths import user_plan_path
-from selfspec.plan import DraftPolicy, SkipPlan, check_plan_matches, load_plan
+from selfspec.plan import SkipPlan, check_plan_matches, load_plan
 from selfspec.prompts import Prompt, load_prompts
 from selfspec.search.calibration import CalibrationItem, calibration_key, load_or_make_calibration
-from selfspec.search.confirm import confirm_plans
+from selfspec.search.choose import choose_and_write, finished_counts
 from selfspec.search.costs import CostModel, measure_costs
-from selfspec.search.report import write_importance_plot, write_report_md
 from selfspec.search.result import SearchResult
 from selfspec.search.space import (
     DRAFT_VOCAB_CHOICES,
@@ -35,12 +31,11 @@ from selfspec.search.space import (
     THRESHOLD_RANGE,
     THRESHOLD_STEP,
     param_name,
-    plan_args,
     plan_key,
     warm_starts,
 )
 from selfspec.search.speedmodel import SpeedModel
-from selfspec.search.storage import open_storage, redact, silence_optuna, storage_text
+from selfspec.search.storage import open_storage, silence_optuna, storage_text
 
 if TYPE_CHECKING:
     import optuna
@@ -68,30 +63,6 @@ def default_out(model_name: str, speed: str | None = None) -> Path:
 def _study_slug(model_name: str) -> str:
     name = Path(model_name).name if ("/" in model_name or os.sep in model_name) else model_name
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
-
-
-def _finished(study: optuna.Study) -> tuple[int, int]:
-    from optuna.trial import TrialState
-
-    states = (TrialState.COMPLETE, TrialState.PRUNED)
-    trials = study.get_trials(deepcopy=False, states=states)
-    complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
-    return complete, len(trials) - complete
-
-
-def ranked_trials(study: optuna.Study, num_layers: int) -> list:
-    """Completed trials, best predicted first, one per distinct plan."""
-    from optuna.trial import TrialState
-
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    done = sorted((t for t in done if t.value is not None), key=lambda t: (-t.value, t.number))
-    seen, out = set(), []
-    for t in done:
-        key = json.dumps(plan_args(t.params, num_layers), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def _check_settings(trials: int, tokens: int, confirm: int, limit, timeout) -> None:
@@ -337,80 +308,6 @@ def _run_trials(
     return False
 
 
-def _confirm(
-    engine: Engine,
-    items,
-    candidates: list,
-    make_plan,
-    tokens: int,
-    fallback: bool,
-    log: Callable[[str], None],
-) -> tuple[list[dict], int, bool]:
-    """(confirmations, index of the chosen candidate, interrupted)."""
-    log(f"confirming the best {len(candidates)} trial(s) by real generation against plain decoding")
-    try:
-        plans = [make_plan(t) for t in candidates]
-        confirmations = confirm_plans(engine, items, plans, tokens, log, fallback=fallback)
-    except KeyboardInterrupt:
-        log("interrupted during confirmation: writing the best predicted plan unconfirmed")
-        return [], 0, True
-    for c, t in zip(confirmations, candidates):
-        c["trial"], c["predicted_speedup"] = t.number, round(t.value, 4)
-    chosen = max(range(len(confirmations)), key=lambda i: confirmations[i]["measured_speedup"])
-    confirmations[chosen]["chosen"] = True
-    return confirmations, chosen, False
-
-
-def _provenance(engine: Engine, best, chosen: dict | None, settings: dict) -> dict:
-    measured = chosen["measured_speedup"] if chosen else None
-    return {
-        "how": redact(settings["how"]),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": device_text(engine.loaded.device, _torch_threads()),
-        "dtype": str(engine.loaded.dtype).replace("torch.", ""),
-        "speed_mode": engine.loaded.speed,
-        **{
-            k: settings[k]
-            for k in (
-                "prompts",
-                "prompt_count",
-                "chat_template",
-                "tokens",
-                "study",
-                "storage",
-                "trials",
-            )
-        },
-        "trial": best.number,
-        "predicted_speedup": round(best.value, 4),
-        "predicted_acceptance_rate": best.user_attrs.get("acceptance"),
-        "predicted_mean_accepted_length": best.user_attrs.get("mean_accepted_length"),
-        "measured_speedup": measured,
-        "measured_speedup_end_to_end": chosen["measured_speedup_end_to_end"] if chosen else None,
-        "mean_accepted_length": chosen["mean_accepted_length"] if chosen else None,
-        "acceptance_rate": chosen["acceptance_rate"] if chosen else None,
-        "measured_with_fallback": settings["confirm_fallback"] if chosen else None,
-        "beats_plain_decoding": (measured > 1.0) if measured is not None else None,
-        "interrupted": settings["interrupted"],
-    }
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _write_report(result: SearchResult, study, ranked, folder: Path, log) -> None:
-    try:
-        result.plot_path = write_importance_plot(
-            study, ranked, result.plan, folder / "importance.png"
-        )
-    except Exception as exc:  # a plot must never lose the plan
-        log(f"could not draw importance.png ({type(exc).__name__}: {exc})")
-    result.report_path = write_report_md(study, ranked, result, folder / "report.md")
-
-
 @dataclass
 class _Prepared:
     """What a search needs before its first trial."""
@@ -439,6 +336,19 @@ def _prepare(engine: Engine, prompts, limit, tokens, out, chat, prompts_label) -
     folder = out.parent if str(out.parent) else Path(".")
     folder.mkdir(parents=True, exist_ok=True)
     return _Prepared(prompt_list, prompt_ids, prompts_label or spec, chat, out, folder, current)
+
+
+def _study_meta(engine: Engine, key: str, prep: _Prepared, tokens: int) -> dict:
+    """What a study records about itself, so a resumed study must match it."""
+    return {
+        "model": engine.loaded.name,
+        "fingerprint": engine.identity.fingerprint,
+        "num_layers": engine.identity.num_layers,
+        "calibration_key": key,
+        "prompts": prep.prompts_spec,
+        "tokens": tokens,
+        "chat": prep.chat,
+    }
 
 
 def search_plan(
@@ -484,17 +394,9 @@ def search_plan(
     L = engine.identity.num_layers
     key = calibration_key(engine, prep.prompt_ids, tokens)
     study_name = study_name or f"{_study_slug(engine.loaded.name)}-{key[:8]}"
-    meta = {
-        "model": engine.loaded.name,
-        "fingerprint": engine.identity.fingerprint,
-        "num_layers": L,
-        "calibration_key": key,
-        "prompts": prep.prompts_spec,
-        "tokens": tokens,
-        "chat": prep.chat,
-    }
+    meta = _study_meta(engine, key, prep, tokens)
     study, shown = _open_study(storage, prep.folder, study_name, meta, min_agreement)
-    complete, pruned = _finished(study)
+    complete, pruned = finished_counts(study)
     remaining = max(0, trials - complete - pruned)
     log(f"study '{study_name}' in {shown}: {complete + pruned} trials done, {remaining} to run")
 
@@ -520,11 +422,13 @@ def search_plan(
             callbacks=callbacks,
             log=log,
         )
-    complete, pruned = _finished(study)
+    complete, pruned = finished_counts(study)
+    how = how or (
+        f"selfspec.search.search_plan(prompts={prep.prompts_spec!r}, "
+        f"trials={trials}, tokens={tokens})"
+    )
     settings = {
-        "how": how
-        or f"selfspec.search.search_plan(prompts={prep.prompts_spec!r}, "
-        f"trials={trials}, tokens={tokens})",
+        "how": how,
         "prompts": prep.prompts_spec,
         "prompt_count": len(items),
         "chat_template": prep.chat,
@@ -534,11 +438,12 @@ def search_plan(
         "trials": complete + pruned,
         "confirm_fallback": confirm_fallback,
     }
-    return _choose_and_write(
+    return choose_and_write(
         engine,
         study,
         items,
-        prep,
+        prep.out,
+        prep.folder,
         settings,
         confirm if not interrupted else 0,
         interrupted,
@@ -546,74 +451,3 @@ def search_plan(
         log,
         write_report,
     )
-
-
-def _choose_and_write(
-    engine: Engine,
-    study,
-    items,
-    prep: _Prepared,
-    settings: dict,
-    confirm: int,
-    interrupted: bool,
-    costs: CostModel,
-    log,
-    write_report: bool,
-) -> SearchResult:
-    """Confirm the best trials, write the fastest as the plan, then the report."""
-    L = engine.identity.num_layers
-    ranked = ranked_trials(study, L)
-    if not ranked:
-        complete, pruned = _finished(study)
-        raise SelfSpecError(
-            f"study '{settings['study']}' has no completed trial (all {pruned} were "
-            "pruned or failed): the drafts disagreed with the model too often. Run "
-            "more --trials."
-        )
-
-    def make_plan(trial, provenance=None):
-        sa, sm, policy = plan_args(trial.params, L)
-        return engine.make_plan(
-            sa, sm, DraftPolicy(**policy), provenance=provenance or {"how": "selfspec search"}
-        )
-
-    # A draft that skips nothing is the model itself: a baseline trial, never a plan worth writing.
-    skipping = [t for t in ranked if any(plan_args(t.params, L)[:2])]
-    candidates = (skipping or ranked)[: max(1, confirm)]
-    confirmations, chosen, stopped = [], 0, False
-    if confirm:
-        confirmations, chosen, stopped = _confirm(
-            engine,
-            items,
-            candidates,
-            make_plan,
-            settings["tokens"],
-            settings["confirm_fallback"],
-            log,
-        )
-    best = candidates[chosen]
-    picked = confirmations[chosen] if confirmations else None
-    settings["interrupted"] = interrupted or stopped
-    plan = make_plan(best, _provenance(engine, best, picked, settings))
-    plan.save(prep.out)
-    prov = plan.provenance
-    result = SearchResult(
-        plan,
-        prep.out,
-        None,
-        None,
-        settings["study"],
-        settings["storage"],
-        settings["trials"],
-        *_finished(study),
-        float(best.value),
-        prov["measured_speedup"],
-        prov["beats_plain_decoding"],
-        confirmations,
-        settings["interrupted"],
-        costs,
-        best.number,
-    )
-    if write_report:
-        _write_report(result, study, ranked, prep.folder, log)
-    return result
