@@ -321,19 +321,57 @@ def _staging(prefix: str):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _seal(folder: Path) -> None:
+    """Record every file's size in the marker, so a truncated or missing file is noticed at once
+    (hashing gigabytes on every start would cost seconds)."""
+    marker = folder / MARKER_FILE
+    meta = json.loads(marker.read_text())
+    meta["files"] = {
+        str(f.relative_to(folder)): f.stat().st_size
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MARKER_FILE
+    }
+    marker.write_text(json.dumps(meta))
+
+
+def cache_damage(folder: Path) -> str | None:
+    """What is wrong with a finished cache entry (a file missing or of the wrong size); None if
+    nothing is, or if the entry predates size records."""
+    try:
+        files = json.loads((folder / MARKER_FILE).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return f"its marker {MARKER_FILE} is unreadable"
+    for rel, size in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size} bytes, expected {size}"
+    return None
+
+
 def ensure_bundled(name: str) -> Path:
-    """Return the cached safetensors folder of a bundled model, building it on first use."""
+    """Return the cached safetensors folder of a bundled model, building it on first use (and
+    again, said on stderr, if the cached entry is damaged)."""
     spec = KNOWN_MODELS.get(name)
     if spec is None:
         raise unknown_model_error(name)
     final_dir = cached_model_dir(name)
     if (final_dir / MARKER_FILE).is_file():
-        return final_dir
+        damage = cache_damage(final_dir)
+        if damage is None:
+            return final_dir
+        print(
+            f"selfspec: the cached {name} in {final_dir} is damaged ({damage}); rebuilding it.",
+            file=sys.stderr,
+        )
+        (final_dir / MARKER_FILE).unlink(missing_ok=True)  # now an unfinished entry: replaced
     with _staging(name) as work:
         gguf_path = fetch_gguf(spec, work / "gguf")
         out_dir = work / "model"
         _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
         os.rename(gguf_path, out_dir / GGUF_FILE)  # kept for speed mode gguf
+        _seal(out_dir)
         _publish(out_dir, final_dir)
     return final_dir
 

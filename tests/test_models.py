@@ -1,6 +1,7 @@
 """Model resolution: real bundled models load and decode; every error path says what to do."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -167,3 +168,24 @@ def test_concurrent_publish_keeps_one_complete_entry(tmp_path):
         models._publish(staged, final)
     assert (final / models.MARKER_FILE).read_text() == "0"
     assert not (tmp_path / "stage1").exists()
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_entry_is_noticed_and_rebuilt(tmp_path, monkeypatch, capsys):
+    source = models.ensure_bundled("smollm2-135m")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    entry = models.cached_model_dir("smollm2-135m")
+    shutil.copytree(source, entry)
+    models._seal(entry)  # as a build by this version records it
+    assert models.cache_damage(entry) is None
+    weights = entry / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # a copy cut short (a full disk, a killed process)
+        f.truncate(size // 2)
+    assert "model.safetensors has" in models.cache_damage(entry)
+
+    assert models.ensure_bundled("smollm2-135m") == entry  # fetched and converted again, for real
+    err = capsys.readouterr().err
+    assert f"the cached smollm2-135m in {entry} is damaged (model.safetensors has" in err
+    assert "rebuilding it" in err
+    assert weights.stat().st_size == size and models.cache_damage(entry) is None
