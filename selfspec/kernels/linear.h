@@ -123,6 +123,16 @@ struct Layout {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
     return rec;
   }
+  // Group gi's scale and offset for all kPanel lanes, as floats in memory (for code that does not
+  // work in vec-wide steps: the scalar reference, the AVX2 q8 tiles on any vec width).
+  static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      vec s, o;
+      scales(panel, gi, v, s, o);
+      vstore(scale + v * kVec, s);
+      vstore(offset + v * kVec, o);
+    }
+  }
   // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale and offset.
   static void scales(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
     const uint8_t* rec = group(panel, gi);

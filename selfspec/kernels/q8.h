@@ -105,12 +105,7 @@ void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += G) {
       float scale[kPanel], offset[kPanel];
-      for (int v = 0; v < kVecPerPanel; ++v) {
-        vec s, o;
-        L::scales(panel, g0 / G, v, s, o);
-        vstore(scale + v * kVec, s);
-        vstore(offset + v * kVec, o);
-      }
+      L::scale_arrays(panel, g0 / G, scale, offset);
       const uint8_t* q = L::group(panel, g0 / G) + L::kGroupHeader;
       const int8_t* am = aq + m * K + g0;
       const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
@@ -285,13 +280,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
   for (int64_t g0 = 0; g0 < K; g0 += G) {
     // (through memory: on AVX-512 CPUs without VNNI a vec holds the whole panel's 16 lanes)
     alignas(64) float scales[kPanel], offsets[kPanel];
-#pragma GCC unroll 2
-    for (int v = 0; v < kVecPerPanel; ++v) {
-      vec s, o;
-      L::scales(panel, g0 / G, v, s, o);
-      vstore(scales + v * kVec, s);
-      vstore(offsets + v * kVec, o);
-    }
+    L::scale_arrays(panel, g0 / G, scales, offsets);
     const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader;
     const int32_t* a_lo = quads + (g0 / 4) * M;
     const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
@@ -363,10 +352,9 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   const float* sums = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
-                 : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
-                 : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
-                             : &q8tile_avx2<FORMAT, G, 1>;
+    auto* tile = rows == kRows ? &q8tile_avx2<FORMAT, G, kRows>
+                 : rows == 2   ? &q8tile_avx2<FORMAT, G, 2>
+                               : &q8tile_avx2<FORMAT, G, 1>;
     tile(quads + m0, d_t + m0, sums + m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
