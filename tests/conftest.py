@@ -1,5 +1,6 @@
 """Shared fixtures. Real models load once per session (first use downloads and converts them)."""
 
+import contextlib
 import os
 
 os.environ.setdefault("SELFSPEC_NO_PROGRESS", "1")
@@ -74,3 +75,23 @@ def tiny_llama(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
     return Engine(LoadedModel("tiny-llama", model, tokenizer, path="<memory>"))
+
+
+@contextlib.contextmanager
+def _sharpened_head(engine, factor: float):
+    """The engine's output layer scaled by ``factor`` (sharper distributions) while inside."""
+    head = engine.loaded.model.lm_head.weight
+    with torch.no_grad():
+        original = head.clone()
+        head.mul_(factor)
+    try:
+        yield engine
+    finally:
+        with torch.no_grad():
+            head.copy_(original)
+
+
+@pytest.fixture(scope="session")
+def sharpened_head():
+    """``with sharpened_head(engine, factor):`` the engine with a sharper output layer."""
+    return _sharpened_head

@@ -142,16 +142,11 @@ def test_greedy_output_is_identical_to_plain_decoding(smollm2):
 
 
 @pytest.fixture
-def sharper_tiny(tiny_llama):
+def sharper_tiny(tiny_llama, sharpened_head):
     """The tiny model with a sharper head (its own text then repeats itself, as real text does,
     so context drafts are often right and often wrong: both halves of the rule get exercised)."""
-    head = tiny_llama.loaded.model.lm_head.weight
-    with torch.no_grad():
-        original = head.clone()
-        head.mul_(30.0)
-    yield tiny_llama
-    with torch.no_grad():
-        head.copy_(original)
+    with sharpened_head(tiny_llama, 30.0):
+        yield tiny_llama
 
 
 def own_text(engine, sampling, length, seed=1):

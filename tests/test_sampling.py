@@ -67,15 +67,10 @@ def test_top_k_top_p_warping():
 
 
 @pytest.fixture(scope="module")
-def peaked_tiny(tiny_llama):
+def peaked_tiny(tiny_llama, sharpened_head):
     """The tiny model with a sharper head, so target and draft distributions differ visibly."""
-    head = tiny_llama.loaded.model.lm_head.weight
-    with torch.no_grad():
-        original = head.clone()
-        head.mul_(60.0)
-    yield tiny_llama
-    with torch.no_grad():
-        head.copy_(original)
+    with sharpened_head(tiny_llama, 60.0):
+        yield tiny_llama
 
 
 def exact_second_token_marginal(engine, prompt, sampling):
