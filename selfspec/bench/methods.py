@@ -1,9 +1,9 @@
 """The benchmarked methods: each runs one greedy generation and reports its tokens and times.
 
 selfspec's own (autoregressive, self_speculative, ngram, layer_skip, dual_model) run through the
-Engine; transformers'
-(hf_generate, hf_assisted, prompt_lookup) on the model exactly as transformers builds it;
-llama_cpp (plain decoding of the same .gguf) through llama-cpp-python when it is installed.
+Engine; transformers' (hf_generate, hf_assisted, prompt_lookup) on the model exactly as
+transformers builds it; llama_cpp (plain decoding of the same .gguf) through llama-cpp-python
+when it is installed.
 """
 
 from __future__ import annotations
@@ -158,6 +158,15 @@ def _run_autoregressive(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
     return _engine_run(ctx, prompt_ids, None)
 
 
+def _drafter_run(name: str) -> Callable[[BenchContext, list[int]], MethodRun]:
+    """A method that generates with the drafter its setup stored under ``name``."""
+
+    def run(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+        return _engine_run(ctx, prompt_ids, ctx.state[name])
+
+    return run
+
+
 def _setup_self_speculative(ctx: BenchContext) -> None:
     # selfspec's default drafter: context drafts, and the plan's layer-skip drafts where they pay
     ctx.state["self_speculative"] = ctx.engine.self_drafter(
@@ -165,32 +174,16 @@ def _setup_self_speculative(ctx: BenchContext) -> None:
     )
 
 
-def _run_self_speculative(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _engine_run(ctx, prompt_ids, ctx.state["self_speculative"])
-
-
 def _setup_ngram(ctx: BenchContext) -> None:
     ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False)
-
-
-def _run_ngram(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _engine_run(ctx, prompt_ids, ctx.state["ngram"])
 
 
 def _setup_layer_skip(ctx: BenchContext) -> None:
     ctx.state["layer_skip"] = ctx.engine.layer_skip_drafter(ctx.plan)
 
 
-def _run_layer_skip(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _engine_run(ctx, prompt_ids, ctx.state["layer_skip"])
-
-
 def _setup_dual_model(ctx: BenchContext) -> None:
     ctx.state["dual_model"] = ctx.engine.model_drafter(ctx.draft)
-
-
-def _run_dual_model(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _engine_run(ctx, prompt_ids, ctx.state["dual_model"])
 
 
 def gguf_path_for(model_name: str) -> Path | None:
@@ -243,10 +236,10 @@ METHODS: dict[str, Method] = {
     for m in [
         Method("hf_generate", _run_hf_generate, transformers=True),
         Method("autoregressive", _run_autoregressive),
-        Method("self_speculative", _run_self_speculative, setup=_setup_self_speculative),
-        Method("ngram", _run_ngram, setup=_setup_ngram),
-        Method("layer_skip", _run_layer_skip, needs="plan", setup=_setup_layer_skip),
-        Method("dual_model", _run_dual_model, needs="draft", setup=_setup_dual_model),
+        Method("self_speculative", _drafter_run("self_speculative"), setup=_setup_self_speculative),
+        Method("ngram", _drafter_run("ngram"), setup=_setup_ngram),
+        Method("layer_skip", _drafter_run("layer_skip"), needs="plan", setup=_setup_layer_skip),
+        Method("dual_model", _drafter_run("dual_model"), needs="draft", setup=_setup_dual_model),
         Method("hf_assisted", _run_hf_assisted, needs="draft", transformers=True),
         Method("prompt_lookup", _run_prompt_lookup, transformers=True),
         Method(
