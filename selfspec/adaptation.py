@@ -55,9 +55,8 @@ class SpeedGuard:
     ):
         self.enabled, self.window = enabled, window
         self.first_pause, self.max_pause = first_pause, max_pause
-        self.rounds: list[
-            tuple[int, float, float]
-        ] = []  # (tokens, draft s, verify s) of drafting rounds
+        # (tokens, draft s, verify s) of drafting rounds
+        self.rounds: list[tuple[int, float, float]] = []
         self.plain_step: float | None = None  # EMA of one-row verify passes
         self.pause_left = 0
         self.pauses = 0
@@ -71,9 +70,8 @@ class SpeedGuard:
         if drafted == 0:
             self._plain_round(verify_seconds)
             return
-        self.rounds = (self.rounds + [(accepted + 1, draft_seconds, verify_seconds)])[
-            -self.window :
-        ]
+        self.rounds.append((accepted + 1, draft_seconds, verify_seconds))
+        del self.rounds[: -self.window]
         if self.enabled and len(self.rounds) == self.window and self._slower():
             self.pause_left = min(self.max_pause, self.first_pause * 2**self.pauses)
             self.pauses += 1

@@ -90,11 +90,9 @@ class DecodeStats:
             self.accepted_by_position[i] += i < accepted
         if drafted:
             counts = self.sources.setdefault(source or "draft", [0, 0, 0])
-            counts[0], counts[1], counts[2] = (
-                counts[0] + 1,
-                counts[1] + drafted,
-                counts[2] + accepted,
-            )
+            counts[0] += 1
+            counts[1] += drafted
+            counts[2] += accepted
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -293,8 +291,8 @@ def _generator(config: DecodeConfig, device) -> torch.Generator | None:
 
 
 def _match_vocab(probs: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A draft model's head may be padded to another size; tokens past the shared vocabulary get q =
-    0."""
+    """A draft model's head may be padded to another size; tokens past the shared vocabulary
+    get q = 0."""
     if probs.shape[-1] > vocab:
         probs = probs[..., :vocab]
         return probs / probs.sum(-1, keepdim=True)

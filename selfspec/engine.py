@@ -181,8 +181,7 @@ class Engine:
 
     def decode_config(self, source: Drafter | SkipPlan | None = None, **overrides) -> DecodeConfig:
         """Decode settings: defaults, then what the drafter brings (a layer-skip plan's draft
-        policy;
-        a plan given directly counts as its layer-skip drafter), then explicit overrides."""
+        policy; a plan given directly counts as its layer-skip drafter), then explicit overrides."""
         config = DecodeConfig(eos_token_ids=self.eos_ids())
         if isinstance(source, SkipPlan):
             source = SelfSkipDrafter(self.runner, source)

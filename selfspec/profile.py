@@ -88,9 +88,8 @@ def profile_engine(
     def hf_step(n):
         with torch.inference_mode():
             model(new_ids[None, :n].to(runner.device), past_key_values=hf_cache, use_cache=True)
-        hf_cache.crop(
-            -n
-        )  # drop the n new tokens again (negative: works across transformers versions)
+        # drop the n new tokens again (negative: works across transformers versions)
+        hf_cache.crop(-n)
 
     hf_forward_ms = {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
 
@@ -109,9 +108,8 @@ def profile_engine(
     if plan is not None:
         from selfspec.drafters import SelfSkipDrafter
 
-        drafter = SelfSkipDrafter(
-            runner, plan
-        )  # time the step as the drafter runs it: capture, draft head
+        # time the step as the drafter runs it: capture, draft head
+        drafter = SelfSkipDrafter(runner, plan)
         draft_ms = _median_ms(
             lambda: runner.forward(
                 new_ids[:1],

@@ -175,8 +175,7 @@ def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
 
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
     """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode
-    gguf-q8's
-    arrangement of each group's integers; headers and sizes are the same)."""
+    gguf-q8's arrangement of each group's integers; headers and sizes are the same)."""
     n, k = decoded.q.shape
     panels = n // PANEL
 
@@ -478,8 +477,8 @@ def _check_decoded(decoded: Decoded, weight: torch.Tensor, gguf_name: str, gguf_
 
 
 def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
-    """The rebuilt weights must equal the float32 model's: the file is the model's own, mapped
-    right.
+    """The rebuilt weights must equal the float32 model's: the file is the model's own,
+    mapped right.
 
     The first and last panels of every layer are compared, which catches a wrong file, tensor or row
     order at a fraction of the cost; the tests compare every weight of the bundled models."""

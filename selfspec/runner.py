@@ -92,9 +92,8 @@ class ModelRunner:
         for window in self.windows:
             needs_window = window is not None and start + n > window
             if n == 1 and not needs_window:
-                masks[window] = (
-                    None  # one query attends to everything cached: same call as HF decoding
-                )
+                # one query attends to everything cached: same call as HF decoding
+                masks[window] = None
             elif start == 0 and not needs_window:
                 masks[window] = None  # SDPA applies is_causal itself, as in HF prefill
             else:

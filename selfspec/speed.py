@@ -203,6 +203,5 @@ def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None)
 
         quantize_model(model, gguf_path, load_kernel(), activations8=mode == "gguf-q8")
     if mode in KERNEL_MODES:
-        pack_model(
-            model
-        )  # in gguf mode: what the file did not hold, and the rest gets its own memory
+        # in gguf mode: what the file did not hold, and the rest gets its own memory
+        pack_model(model)

@@ -43,10 +43,7 @@ class StaticKVCache(KVCache):
     positions: torch.Tensor | None = None  # [rows], set by the runner for each pass
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = (
-            self.keys[layer_idx],
-            self.values[layer_idx],
-        )  # [1, kv_heads, max_len, head_dim]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]  # [1, kv_heads, max_len, hd]
         keys.index_copy_(2, self.positions, key_states)
         values.index_copy_(2, self.positions, value_states)
         return keys, values
@@ -195,9 +192,8 @@ class StaticRunner(ModelRunner):
         them costs nothing extra in a fixed-shape pass).
         """
         rows = ids.shape[0]
-        self.ids[:rows].copy_(
-            ids
-        )  # rows past ``rows`` keep old tokens: their outputs are never read
+        # rows past ``rows`` keep old tokens: their outputs are never read
+        self.ids[:rows].copy_(ids)
         self.positions.copy_(torch.arange(start, start + PASS_ROWS))
         first = 0
         if resume is not None and not self.compiled:

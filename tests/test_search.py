@@ -1,6 +1,5 @@
 """`selfspec search`: the speed model's replay of the decode loop, studies that resume, clear
-errors,
-and a short real search whose plan is valid and lossless."""
+errors, and a short real search whose plan is valid and lossless."""
 
 import json
 
@@ -308,8 +307,7 @@ def test_current_plan_is_a_warm_start(tiny_llama, tmp_path):
 @pytest.mark.slow
 def test_speed_model_replays_the_decode_loop_exactly(smollm2):
     """Skipping only the last layer leaves every cached key/value exact, so the teacher-forced draft
-    is
-    the real draft and the replay must match real decoding round for round."""
+    is the real draft and the replay must match real decoding round for round."""
     from selfspec.plan import DraftPolicy
     from selfspec.prompts import load_prompts
     from selfspec.search.calibration import CalibrationItem

@@ -78,7 +78,7 @@ class PassCosts:
             w = (rows - lo) / (hi - lo)
             return (1 - w) * self.verify[lo] + w * self.verify[hi]
         base = self.verify[known[0]] if not below else self.verify[below[-1]]
-        slope = _ROW_COST_PRIOR * self.verify[known[0]] / 1.0
+        slope = _ROW_COST_PRIOR * self.verify[known[0]]
         if len(known) >= 2 and below:
             a, b = known[-2], known[-1]
             slope = max(slope * 0.5, (self.verify[b] - self.verify[a]) / (b - a))

@@ -24,9 +24,8 @@ if TYPE_CHECKING:
 class DraftRequest:
     """What the loop tells a drafter each round."""
 
-    committed: list[
-        int
-    ]  # every token so far, prompt included; the last is not yet in the target cache
+    # every token so far, prompt included; the last is not yet in the target cache
+    committed: list[int]
     max_tokens: int
     sampling: Sampling
     generator: torch.Generator | None
@@ -35,12 +34,10 @@ class DraftRequest:
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    probs: torch.Tensor | None = (
-        None  # [len(tokens), vocab]: q each token was drawn from (sampling only)
-    )
-    resume: Resume | None = (
-        None  # hidden states the verify pass can start from (self-drafting only)
-    )
+    # [len(tokens), vocab]: q each token was drawn from (sampling only)
+    probs: torch.Tensor | None = None
+    # hidden states the verify pass can start from (self-drafting only)
+    resume: Resume | None = None
     source: str = ""  # which drafter made it (stats)
 
 

@@ -74,9 +74,8 @@ class SelfSkipDrafter(Drafter):
         self.last_steps = len(hiddens)
         resume = None
         if self.resume_at > 0 and hiddens:
-            rows = min(
-                len(hiddens), len(tokens) + 1
-            )  # verify scores the pending token plus the drafts
+            # verify scores the pending token plus the drafts
+            rows = min(len(hiddens), len(tokens) + 1)
             resume = Resume(self.resume_at, torch.cat(hiddens[:rows], dim=1))
         probs = torch.stack(probs) if probs and not request.sampling.greedy else None
         return Draft(tokens, probs, resume, source=self.name)

@@ -102,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
             "would be compiled anew (about a minute each). The plan it finds serves "
             "both modes."
         )
-    prompts = load_prompts(
-        args.prompts, limit=args.limit
-    )  # a bad file fails before the model loads
+    # a bad file fails before the model loads
+    prompts = load_prompts(args.prompts, limit=args.limit)
     if args.storage is not None:
         open_storage(args.storage)  # so does a bad storage URL
     engine = load_engine(args)

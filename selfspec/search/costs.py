@@ -33,9 +33,8 @@ class CostModel:
     verify_base: list[float]  # the same with every sublayer skipped (embedding + head over k rows)
     context: int = 0  # cached prefix length the costs were measured at
     draft_overhead: float = 0.0  # softmax/top-prob/argmax per draft step, on top of the forward
-    head: float = (
-        0.0  # the output layer over the whole vocabulary, for one token (inside base_step)
-    )
+    # the output layer over the whole vocabulary, for one token (inside base_step)
+    head: float = 0.0
     vocab: int = 0  # rows of the output layer
 
     @staticmethod
@@ -74,8 +73,8 @@ class CostModel:
 
     def verify_cost(self, rows: int, tail_rows: int, prefix_fraction: float = 0.0) -> float:
         """A verify pass over ``rows`` tokens that resumes from the draft's hidden states at the
-        first
-        skipped sublayer; ``tail_rows`` rows (0 or 1) the draft did not cover run the prefix too."""
+        first skipped sublayer; ``tail_rows`` rows (0 or 1) the draft did not cover run the
+        prefix too."""
         total = self._interp(self.verify_sizes, self.verify, rows)
         base = self._interp(self.verify_sizes, self.verify_base, rows)
         stack = max(0.0, total - base)

@@ -70,10 +70,9 @@ def warm_starts(
     vocab_choices=(0,),
 ) -> list[dict]:
     """The first trials of a study, in order: the plan already at --out, nothing skipped, evenly
-    spaced
-    skips in the middle half (every third / every other attention, every other MLP, every other
-    whole layer), then a few seeded random sparse plans (10-35% of the sublayers between the
-    first two and the last layer). Independent random flags would skip half the model and
+    spaced skips in the middle half (every third / every other attention, every other MLP, every
+    other whole layer), then a few seeded random sparse plans (10-35% of the sublayers between
+    the first two and the last layer). Independent random flags would skip half the model and
     prune; these start TPE nearby."""
     import random
 
