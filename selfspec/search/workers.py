@@ -1,0 +1,167 @@
+"""One worker's share of a study that several may run at once: trials run until the study holds
+``--trials`` complete ones, and trials whose worker died are failed and queued again.
+
+A dead worker leaves its trial RUNNING for ever. Two ways notice it:
+- every trial records its worker (host, pid, process start time); a worker on the same host whose
+  process is gone is dead at once (any storage, the journal file included);
+- on a database storage every running trial beats a heartbeat; one silent for GRACE_PERIOD
+  seconds is dead (Optuna's heartbeat), which covers workers on other machines.
+A dead trial is marked FAIL (never counted) and its parameters are queued again, at most
+MAX_RETRY times.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import FrozenTrial
+
+HEARTBEAT_INTERVAL = 10  # seconds between a running trial's heartbeats (database storages)
+GRACE_PERIOD = 30  # a trial whose heartbeat is older than this died with its worker
+MAX_RETRY = 2  # a trial's parameters are queued again at most this many times
+WORKER_ATTR = "worker"  # user attribute: which process runs the trial
+POLL_SECONDS = 1.0
+ATTEMPTS_PER_TRIAL = 3  # a worker runs at most this many trials per complete one asked for
+
+
+def worker_id() -> str:
+    """host:pid:start time of this process; the start time tells a reused pid apart."""
+    import psutil
+
+    return f"{socket.gethostname()}:{os.getpid()}:{int(psutil.Process().create_time())}"
+
+
+def _is_dead(worker: str) -> bool | None:
+    """True when ``worker`` ran on this host and its process is gone; None when it ran elsewhere
+    (only a heartbeat can tell)."""
+    import psutil
+
+    host, pid, started = worker.rsplit(":", 2)
+    if host != socket.gethostname():
+        return None
+    try:
+        process = psutil.Process(int(pid))
+        return (
+            int(process.create_time()) != int(started) or process.status() == psutil.STATUS_ZOMBIE
+        )
+    except (psutil.NoSuchProcess, ValueError):
+        return True
+
+
+def retry_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue a dead trial's parameters again (its worker attribute dropped), at most MAX_RETRY
+    times for one original trial."""
+    import optuna
+
+    history = [*trial.system_attrs.get("retry_history", []), trial.number]
+    if len(history) > MAX_RETRY:
+        return
+    system_attrs = {**trial.system_attrs, "retry_history": history}
+    system_attrs.setdefault("failed_trial", trial.number)
+    study.add_trial(
+        optuna.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            user_attrs={k: v for k, v in trial.user_attrs.items() if k != WORKER_ATTR},
+            system_attrs=system_attrs,
+        )
+    )
+
+
+def fail_dead_trials(study: optuna.Study, log: Callable[[str], None]) -> int:
+    """Fail (and queue again) every running trial whose worker died; how many this call failed."""
+    import optuna
+    from optuna.trial import TrialState
+
+    failed = 0
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker = trial.user_attrs.get(WORKER_ATTR)
+        if worker is None or not _is_dead(worker):
+            continue
+        try:
+            if not study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # another worker failed it first
+        retry_trial(study, trial)
+        failed += 1
+        log(f"trial {trial.number} died with its worker ({worker}): marked failed, queued again")
+    optuna.storages.fail_stale_trials(study)  # database storages: heartbeats gone silent
+    return failed
+
+
+def trial_counts(study: optuna.Study) -> Counter:
+    """Trials by state name (COMPLETE, PRUNED, FAIL, RUNNING, WAITING)."""
+    return Counter(t.state.name for t in study.get_trials(deepcopy=False))
+
+
+def _unsettled(study: optuna.Study) -> int:
+    """Running trials that may belong to a dead worker elsewhere (not a live process here)."""
+    from optuna.trial import TrialState
+
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    return sum(1 for t in running if _is_dead(t.user_attrs.get(WORKER_ATTR, "?:0:0")) is not False)
+
+
+def _done(study: optuna.Study, trials: int) -> bool:
+    counts = trial_counts(study)
+    return counts["COMPLETE"] >= trials and counts["WAITING"] == 0
+
+
+def run_share(
+    study: optuna.Study,
+    objective: Callable,
+    *,
+    trials: int,
+    timeout: float | None,
+    callbacks: Sequence[Callable],
+    log: Callable[[str], None],
+) -> bool:
+    """Run trials until the study holds ``trials`` complete ones (any worker's) and none waits,
+    then wait (up to a grace period) for running trials that may have died elsewhere, so their
+    retries are run too. Returns True when interrupted with Ctrl-C."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    budget = ATTEMPTS_PER_TRIAL * trials  # pruned trials run too; this bounds a hopeless study
+    ran = 0
+
+    def count_and_stop(study: optuna.Study, _trial) -> None:
+        nonlocal ran
+        ran += 1
+        if _done(study, trials) or ran >= budget:
+            study.stop()
+
+    settle_until = None
+    while True:
+        fail_dead_trials(study, log)
+        left = None if deadline is None else deadline - time.monotonic()
+        if (left is not None and left <= 0) or ran >= budget:
+            if ran >= budget:
+                log(f"ran {ran} trials without reaching {trials} complete ones; stopping")
+            return False
+        if not _done(study, trials):
+            settle_until = None
+            try:
+                study.optimize(
+                    objective,
+                    timeout=left,
+                    callbacks=[count_and_stop, *callbacks],
+                    gc_after_trial=False,
+                )
+            except KeyboardInterrupt:
+                return True
+            continue
+        if not _unsettled(study):
+            return False
+        settle_until = settle_until or time.monotonic() + GRACE_PERIOD + 2 * HEARTBEAT_INTERVAL
+        if time.monotonic() > settle_until:
+            log("trials still running on other workers; leaving them to those workers")
+            return False
+        time.sleep(POLL_SECONDS)
