@@ -184,16 +184,16 @@ def _stats_line(method: str, result) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from selfspec.decode import check_request
     from selfspec.sampling import Sampling
 
     prompt = read_prompt(args.prompt)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_at_least("--max-draft", args.max_draft, 1)
+    check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     engine = load_engine(args, _generate_model(args))
     drafter, _ = _drafter_and_plan(engine, args)
     method = "autoregressive" if drafter is None else drafter.name
-    if drafter is not None and not args.json:
-        print(f"[selfspec] {drafter.describe()}", file=sys.stderr)
     config = engine.decode_config(
         drafter,
         max_new_tokens=args.max_new_tokens,
@@ -208,8 +208,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    prompt_ids = engine.encode(prompt, chat=args.chat)
+    check_request(prompt_ids, config, engine.runner)  # before the drafter line, not after
+    if drafter is not None and not args.json:
+        print(f"[selfspec] {drafter.describe()}", file=sys.stderr)
     on_text = None if args.json else write
-    result = engine.generate(prompt, drafter, chat=args.chat, config=config, on_text=on_text)
+    result = engine.generate(prompt_ids, drafter, config=config, on_text=on_text)
     if args.json:
         print(
             json.dumps(
@@ -231,8 +235,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- main
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in one line, like every other selfspec error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}. See `{self.prog} --help`.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="selfspec", description=selfspec.__doc__.splitlines()[0])
+    parser = _Parser(prog="selfspec", description=selfspec.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"selfspec {selfspec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the bundled models and whether each is cached")

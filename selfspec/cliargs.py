@@ -92,13 +92,15 @@ def read_prompt(arg: str | None) -> str:
     """The prompt argument, or standard input for '-'."""
     if arg is None:
         raise SelfSpecError("no prompt given: pass the prompt text, or - to read it from stdin.")
-    if arg == "-":
-        try:
-            text = sys.stdin.read()
-        except UnicodeDecodeError as exc:
-            raise SelfSpecError(f"standard input is not UTF-8 text ({exc.reason}).") from None
-    else:
-        text = arg
+    where = "standard input" if arg == "-" else "the prompt argument"
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8") if arg == "-" else arg
+        text.encode("utf-8")  # an argument of undecodable bytes holds surrogates
+    except UnicodeError as exc:
+        raise SelfSpecError(
+            f"{where} is not UTF-8 text ({exc.reason} at position {exc.start}); convert it first, "
+            "e.g. with iconv -t UTF-8."
+        ) from None
     if not text.strip():
         raise SelfSpecError("the prompt is empty: give some text to continue.")
     return text

@@ -148,8 +148,15 @@ def check_context(
 def check_request(prompt_ids: list[int], config: DecodeConfig, runner: ModelRunner) -> None:
     if not prompt_ids:
         raise SelfSpecError("the prompt is empty: give at least one token of text to continue.")
-    if config.max_new_tokens < 1:
-        raise SelfSpecError(f"max_new_tokens must be at least 1, got {config.max_new_tokens}")
+    tokens = config.max_new_tokens
+    if type(tokens) is not int or tokens < 1:
+        raise SelfSpecError(f"max_new_tokens must be an integer of at least 1, got {tokens!r}")
+    vocab = runner.model.get_input_embeddings().num_embeddings
+    if any(type(t) is not int or not 0 <= t < vocab for t in prompt_ids):
+        raise SelfSpecError(
+            f"the prompt's token ids must be integers in the vocabulary (0..{vocab - 1}); pass "
+            "text, or ids from the model's own tokenizer."
+        )
     check_context(
         {"the prompt": len(prompt_ids)},
         config.max_new_tokens,

@@ -155,6 +155,10 @@ class Engine:
 
     # -- generation ---------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            raise SelfSpecError(
+                f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}"
+            )
         if not prompt or not prompt.strip():
             raise SelfSpecError("the prompt is empty: give some text to continue.")
         if chat:

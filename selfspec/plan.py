@@ -99,85 +99,86 @@ def _layer_list(value, key: str, num_layers: int, problems: list[str]) -> list[i
     return sorted(set(v for v in value if 0 <= v < num_layers))
 
 
+def _identity(model, problems: list[str]) -> ModelIdentity | None:
+    fields = {"name": str, "architecture": str, "num_layers": int, "fingerprint": str}
+    if not isinstance(model, dict) or not fields.keys() <= model.keys():
+        problems.append(
+            "'model' must be an object with name, architecture, num_layers and fingerprint"
+        )
+        return None
+    wrong = [k for k, kind in fields.items() if type(model[k]) is not kind]
+    if wrong:
+        problems.append(
+            f"'model' field(s) {wrong} have the wrong type (name, architecture and fingerprint "
+            "are strings, num_layers an integer)"
+        )
+        return None
+    if model["num_layers"] <= 0:
+        problems.append(f"'model.num_layers' must be positive, got {model['num_layers']}")
+        return None
+    return ModelIdentity(**{k: model[k] for k in fields})
+
+
+def _policy(data, problems: list[str]) -> DraftPolicy:
+    policy = DraftPolicy()
+    if not isinstance(data, dict):
+        problems.append("'policy' must be an object")
+        return policy
+    unknown = set(data) - set(asdict(policy))
+    if unknown:
+        problems.append(f"'policy' has unknown field(s) {sorted(unknown)}")
+    policy = DraftPolicy(**{k: v for k, v in data.items() if k not in unknown})
+    draft = policy.max_draft_tokens
+    if type(draft) is not int or not 1 <= draft <= 64:
+        problems.append(f"'policy.max_draft_tokens' must be an integer in 1..64, got {draft!r}")
+    vocab = policy.draft_vocab
+    if vocab is not None and (type(vocab) is not int or vocab < 64 or vocab % 64):
+        problems.append(
+            f"'policy.draft_vocab' must be null or a positive multiple of 64, got {vocab!r}"
+        )
+    threshold = policy.confidence_threshold
+    if type(threshold) not in (int, float) or not 0 <= threshold < 1:
+        problems.append(f"'policy.confidence_threshold' must be in [0, 1), got {threshold!r}")
+    if type(policy.adaptive_threshold) is not bool:
+        problems.append(
+            f"'policy.adaptive_threshold' must be true or false, got {policy.adaptive_threshold!r}"
+        )
+    return policy
+
+
 def plan_from_dict(data, source: str = "plan") -> SkipPlan:
-    """Validate a decoded JSON plan, collecting every problem into one clear error."""
+    """Validate a decoded JSON plan, collecting every problem into one clear one-line error."""
     if not isinstance(data, dict):
         raise SelfSpecError(f"{source}: a plan must be a JSON object, got {type(data).__name__}")
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise SelfSpecError(
             f"{source}: unknown plan format_version {version!r}; this selfspec reads version "
             f"{FORMAT_VERSION}. Re-create the plan with `selfspec search` or upgrade selfspec."
         )
     problems: list[str] = []
-    model = data.get("model")
-    identity = None
-    if not isinstance(model, dict):
-        problems.append(
-            "'model' must be an object with name, architecture, num_layers and fingerprint"
-        )
-    else:
-        try:
-            identity = ModelIdentity(
-                name=str(model["name"]),
-                architecture=str(model["architecture"]),
-                num_layers=int(model["num_layers"]),
-                fingerprint=str(model["fingerprint"]),
-            )
-            if identity.num_layers <= 0:
-                problems.append(f"'model.num_layers' must be positive, got {identity.num_layers}")
-        except (KeyError, TypeError, ValueError) as exc:
-            problems.append(f"'model' is missing or has a bad field: {exc}")
-    n = identity.num_layers if identity and identity.num_layers > 0 else 0
+    identity = _identity(data.get("model"), problems)
+    n = identity.num_layers if identity else 0
     skip_attention = _layer_list(data.get("skip_attention", []), "skip_attention", n, problems)
     skip_mlp = _layer_list(data.get("skip_mlp", []), "skip_mlp", n, problems)
-    policy_data = data.get("policy", {})
-    policy = DraftPolicy()
-    if not isinstance(policy_data, dict):
-        problems.append("'policy' must be an object")
-    else:
-        unknown = set(policy_data) - set(asdict(policy))
-        if unknown:
-            problems.append(f"'policy' has unknown field(s) {sorted(unknown)}")
-        policy = DraftPolicy(**{k: v for k, v in policy_data.items() if k not in unknown})
-        if not isinstance(policy.max_draft_tokens, int) or not 1 <= policy.max_draft_tokens <= 64:
-            problems.append(
-                "'policy.max_draft_tokens' must be an integer in 1..64, got "
-                f"{policy.max_draft_tokens!r}"
-            )
-        if policy.draft_vocab is not None and (
-            not isinstance(policy.draft_vocab, int)
-            or policy.draft_vocab < 64
-            or policy.draft_vocab % 64
-        ):
-            problems.append(
-                "'policy.draft_vocab' must be null or a positive multiple of 64, got "
-                f"{policy.draft_vocab!r}"
-            )
-        if (
-            not isinstance(policy.confidence_threshold, (int, float))
-            or not 0 <= policy.confidence_threshold < 1
-        ):
-            problems.append(
-                "'policy.confidence_threshold' must be in [0, 1), got "
-                f"{policy.confidence_threshold!r}"
-            )
+    policy = _policy(data.get("policy", {}), problems)
+    provenance = data.get("provenance", {})
+    if not isinstance(provenance, dict):
+        problems.append("'provenance' must be an object")
     if n and len(skip_attention) == n and len(skip_mlp) == n:
         problems.append(
             "the plan skips every sublayer, so the draft would ignore its input entirely"
         )
     if problems:
-        raise SelfSpecError(f"{source} is not a valid skip plan:\n  - " + "\n  - ".join(problems))
-    return SkipPlan(
-        identity, skip_attention, skip_mlp, policy, dict(data.get("provenance", {})), version
-    )
+        raise SelfSpecError(f"{source} is not a valid skip plan: " + "; ".join(problems) + ".")
+    return SkipPlan(identity, skip_attention, skip_mlp, policy, dict(provenance), version)
 
 
 def load_plan(path) -> SkipPlan:
     """Read and validate a plan file (a path, or a packaged resource with ``read_text``)."""
     path = path if hasattr(path, "read_text") else Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SelfSpecError(
             f"plan file {path} does not exist. Create one with `selfspec search`, pass another "
@@ -185,6 +186,11 @@ def load_plan(path) -> SkipPlan:
         ) from None
     except OSError as exc:
         raise SelfSpecError(f"cannot read plan file {path}: {exc}") from exc
+    except UnicodeDecodeError:
+        raise SelfSpecError(
+            f"plan file {path} is not UTF-8 text (is it a plan?). Pass the plan.json that "
+            "`selfspec search` wrote."
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
