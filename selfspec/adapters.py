@@ -63,13 +63,14 @@ class DecoderAdapter:
             attention_mask=mask,
             past_key_values=cache,
         )
-        return hidden + out
+        return hidden.to(out.device) + out  # a no-op unless the model is spread over devices
 
     def mlp(self, i: int, hidden) -> torch.Tensor:
         if self.fused is not None:
             return self.fused[i].mlp(hidden.reshape(-1, hidden.shape[-1])).view(hidden.shape)
         layer = self.layers[i]
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        out = layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden.to(out.device) + out
 
     def logits(self, hidden, vocab: int | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, or over its first ``vocab`` token ids only."""
@@ -125,13 +126,13 @@ class Gemma3Adapter(DecoderAdapter):
             attention_mask=mask,
             past_key_values=cache,
         )
-        return hidden + layer.post_attention_layernorm(out)
+        out = layer.post_attention_layernorm(out)
+        return hidden.to(out.device) + out
 
     def mlp(self, i, hidden):
         layer = self.layers[i]
-        return hidden + layer.post_feedforward_layernorm(
-            layer.mlp(layer.pre_feedforward_layernorm(hidden))
-        )
+        out = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        return hidden.to(out.device) + out
 
     def logits(self, hidden, vocab=None):
         logits = linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)

@@ -51,6 +51,12 @@ def add_model_arguments(
         help="weights dtype (default float32 on cpu, bfloat16 on cuda)",
     )
     parser.add_argument("--speed", choices=SPEED_MODES, default="auto", help=SPEED_HELP)
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        help="spread the model over devices, e.g. 0=10GiB,1=10GiB,cpu=30GiB (the rest goes to "
+        "disk); speed mode torch",
+    )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
@@ -78,8 +84,13 @@ def load_engine(args: argparse.Namespace, model: str | None = None) -> Engine:
     """The engine the model flags ask for."""
     from selfspec.engine import Engine
 
+    target = model is None or model == args.model  # a separate draft model is not spread
     return Engine.load(
-        model or args.model, device=args.device, dtype=torch_dtype(args.dtype), speed=args.speed
+        model or args.model,
+        device=args.device,
+        dtype=torch_dtype(args.dtype),
+        speed=args.speed,
+        max_memory=getattr(args, "max_memory", None) if target else None,
     )
 
 

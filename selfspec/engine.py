@@ -90,11 +90,25 @@ class Engine:
 
     @classmethod
     def load(
-        cls, model: str = DEFAULT_MODEL, device: str = "cpu", dtype=None, speed: str = "auto"
+        cls,
+        model: str = DEFAULT_MODEL,
+        device: str = "cpu",
+        dtype=None,
+        speed: str = "auto",
+        max_memory: dict | None = None,
     ) -> Engine:
         """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest
-        that runs."""
-        return cls(load_model(model, device=device, dtype=dtype, speed=speed))
+        that runs. ``max_memory``: spread the model over devices, e.g. ``{0: "10GiB", "cpu":
+        "30GiB"}`` (sizes in bytes or as text; the rest goes to disk; see
+        ``selfspec.placement``)."""
+        if max_memory is not None:
+            from selfspec.placement import check_max_memory
+
+            max_memory = check_max_memory(max_memory)
+            speed = "torch" if speed == "auto" else speed
+        return cls(
+            load_model(model, device=device, dtype=dtype, speed=speed, max_memory=max_memory)
+        )
 
     # -- plans and drafters -----------------------------------------------------------------
     def default_plan(self) -> SkipPlan | None:

@@ -281,9 +281,15 @@ class LoadedModel:
     path: str
     speed: str = "torch"  # the speed mode its weights were laid out for (selfspec.speed)
     fused: list | None = None  # the kernel's DecoderLayer per layer (selfspec.fused), if fused
+    device_map: dict | None = None  # module name -> device, for a model spread over devices
 
     @property
     def device(self):
+        """Where tokens enter (the embedding's device for a model spread over devices)."""
+        if self.device_map is not None:
+            from selfspec.placement import execution_device
+
+            return execution_device(self.device_map, "embed_tokens")
         return next(self.model.parameters()).device
 
     @property
@@ -303,13 +309,15 @@ def load_model(
     dtype=None,
     speed: str = "torch",
     fused: bool = True,
+    max_memory: dict | None = None,
 ) -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
     ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8");
     "torch" leaves the model exactly as transformers builds it. ``fused``: in the kernel modes,
     run each decoder sublayer as one native call where the model's family allows
-    (``selfspec.fused``).
+    (``selfspec.fused``). ``max_memory``: spread the model over devices (``{0: bytes, "cpu":
+    bytes}``, the rest to disk) as ``selfspec.placement`` explains; speed mode torch only.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -327,6 +335,8 @@ def load_model(
         speed, device, dtype, from_gguf=has_gguf_source(name_or_path, folder)
     )
     progress_wanted()  # SELFSPEC_NO_PROGRESS=1 quiets transformers' bars too
+    if max_memory is not None:
+        return _load_split(name_or_path, folder, dtype, speed, max_memory)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(
@@ -343,6 +353,41 @@ def load_model(
     layers = fuse_layers(model, speed) if fused else None
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
+    )
+
+
+def _load_split(name: str, folder: str, dtype, speed: str, max_memory: dict) -> LoadedModel:
+    import atexit
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from selfspec.placement import load_split
+
+    if speed != "torch":
+        raise SelfSpecError(
+            f"--max-memory spreads the model over devices with accelerate, which runs speed mode "
+            f"torch only (the kernel modes keep each weight in one packed buffer); got {speed}. "
+            "Add --speed torch."
+        )
+    root = cache_dir() / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    offload = Path(tempfile.mkdtemp(prefix="weights-", dir=root))
+    atexit.register(shutil.rmtree, offload, ignore_errors=True)
+    try:
+        model, device_map = load_split(folder, dtype, max_memory, offload)
+    except OSError as exc:
+        raise SelfSpecError(f"could not load model '{name}' from {folder}: {exc}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        path=folder,
+        speed=speed,
+        device_map=device_map,
     )
 
 

@@ -26,9 +26,17 @@ class KVCache:
     def __init__(
         self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype, device
     ):
-        shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        """``device``: one device (the buffers stacked [layers, 1, heads, max_len, head_dim]) or
+        one per layer (a list of [1, heads, max_len, head_dim] buffers, for a model spread over
+        devices)."""
+        if isinstance(device, list):
+            shape = (1, num_kv_heads, max_len, head_dim)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in device]
+            self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in device]
+        else:
+            shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.write_pos = 0
 
@@ -36,9 +44,10 @@ class KVCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start, n = self.write_pos, key_states.shape[2]
         end = start + n
-        self.keys[layer_idx, :, :, start:end] = key_states
-        self.values[layer_idx, :, :, start:end] = value_states
-        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
+        return keys[:, :, :end], values[:, :, :end]
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -80,8 +89,16 @@ class ModelRunner:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""
         if self.cache is None or self.cache.max_len < max_len:
             a = self.adapter
+            device = self.device
+            if self.loaded.device_map is not None:  # each layer's cache beside its attention
+                from selfspec.placement import execution_device
+
+                device = [
+                    execution_device(self.loaded.device_map, f"layers.{i}.self_attn")
+                    for i in range(a.num_layers)
+                ]
             self.cache = KVCache(
-                a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device
+                a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, device
             )
 
     def _masks(self, start: int, n: int) -> dict:

@@ -142,6 +142,8 @@ def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) 
     weights."""
     if out_features is None or out_features >= linear.out_features:
         return linear(x)
+    if hasattr(linear, "_hf_hook"):  # placed by accelerate: its weights may load only on call
+        return linear(x)[..., :out_features]
     if getattr(linear, "reads_prefix", False):
         return linear(x, out_features)
     bias = linear.bias[:out_features] if linear.bias is not None else None
