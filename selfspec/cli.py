@@ -1,6 +1,6 @@
 """The `selfspec` command: a thin layer over the Python API.
 
-Subcommands: models, generate, search, bench, profile. Problems the user can fix are
+Subcommands: models, generate, search, bench, profile, serve. Problems the user can fix are
 printed as one `error:` line (exit 2), never as a traceback.
 """
 
@@ -33,6 +33,7 @@ _SUBCOMMAND_MODULES = {
         "selfspec.profile",
         "measure forward-pass costs over 1..16 tokens and a draft step",
     ),
+    "serve": ("selfspec.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
 }
 
 

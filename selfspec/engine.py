@@ -176,17 +176,19 @@ class Engine:
         if not prompt or not prompt.strip():
             raise SelfSpecError("the prompt is empty: give some text to continue.")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise SelfSpecError(f"{self.loaded.name} has no chat template; drop --chat.")
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            )
+            return self.encode_messages([{"role": "user", "content": prompt}])
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation ([{"role": ..., "content": ...}, ...]) through the model's chat
+        template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SelfSpecError(f"{self.loaded.name} has no chat template; drop --chat.")
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
 
     def eos_ids(self) -> tuple[int, ...]:
         ids = set()

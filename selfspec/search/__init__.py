@@ -35,21 +35,22 @@ plan shipped with selfspec; any other model's to ./plan.json.
 
 Resuming: the study lives in an Optuna storage, by default a SQLite file beside the plan
 (study.db), under a name derived from the model and the calibration settings.
-Re-running the same command resumes it: trials already finished count towards --trials and
+Re-running the same command resumes it: trials already complete count towards --trials and
 only the rest are run. Ctrl-C stops the search and still writes the best plan found so far.
 
 Several machines can share one study: point them all at one database and the same study,
 e.g. on each machine
 
-    pip install psycopg2-binary            # or pymysql for MySQL
+    pip install 'psycopg[binary]'          # or pymysql for MySQL
     selfspec search --model qwen2.5-coder-1.5b --trials 200 \\
         --storage postgresql://user:password@db-host/optuna --study qwen15-shared
 
-Each worker runs trials until the study holds --trials finished ones (counting the others'),
+(or ``--storage journal:///search/study.log``: Optuna's journal file, one machine, no server).
+Each worker runs trials until the study holds --trials complete ones (counting the others'),
 and the cost model measured by the first worker is stored in the study and reused by all, so
-their scores stay comparable (use machines of one kind). Any Optuna storage URL works
-(sqlite:///path.db, postgresql://..., mysql+pymysql://...). Passwords are never written
-into the plan or the report.
+their scores stay comparable (use machines of one kind). A trial whose worker died is failed
+and queued again (selfspec.search.workers). Passwords are never written into the plan or the
+report.
 """
 
 from selfspec.search.study import SearchResult, search_plan

@@ -28,6 +28,7 @@ GRACE_PERIOD = 30  # a trial whose heartbeat is older than this died with its wo
 MAX_RETRY = 2  # a trial's parameters are queued again at most this many times
 WORKER_ATTR = "worker"  # user attribute: which process runs the trial
 POLL_SECONDS = 1.0
+SETTLE_SECONDS = 600  # longest wait for other workers' running trials before choosing a plan
 ATTEMPTS_PER_TRIAL = 3  # a worker runs at most this many trials per complete one asked for
 
 
@@ -103,14 +104,6 @@ def trial_counts(study: optuna.Study) -> Counter:
     return Counter(t.state.name for t in study.get_trials(deepcopy=False))
 
 
-def _unsettled(study: optuna.Study) -> int:
-    """Running trials that may belong to a dead worker elsewhere (not a live process here)."""
-    from optuna.trial import TrialState
-
-    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    return sum(1 for t in running if _is_dead(t.user_attrs.get(WORKER_ATTR, "?:0:0")) is not False)
-
-
 def _done(study: optuna.Study, trials: int) -> bool:
     counts = trial_counts(study)
     return counts["COMPLETE"] >= trials and counts["WAITING"] == 0
@@ -126,8 +119,9 @@ def run_share(
     log: Callable[[str], None],
 ) -> bool:
     """Run trials until the study holds ``trials`` complete ones (any worker's) and none waits,
-    then wait (up to a grace period) for running trials that may have died elsewhere, so their
-    retries are run too. Returns True when interrupted with Ctrl-C."""
+    then wait for other workers' running trials to end (or die and be retried), so that every
+    worker chooses its plan from the finished study. Returns True when interrupted with
+    Ctrl-C."""
     deadline = None if timeout is None else time.monotonic() + timeout
     budget = ATTEMPTS_PER_TRIAL * trials  # pruned trials run too; this bounds a hopeless study
     ran = 0
@@ -158,10 +152,13 @@ def run_share(
             except KeyboardInterrupt:
                 return True
             continue
-        if not _unsettled(study):
+        running = trial_counts(study)["RUNNING"]
+        if not running:
             return False
-        settle_until = settle_until or time.monotonic() + GRACE_PERIOD + 2 * HEARTBEAT_INTERVAL
+        if settle_until is None:
+            settle_until = time.monotonic() + SETTLE_SECONDS
+            log(f"waiting for {running} trial(s) running on other workers")
         if time.monotonic() > settle_until:
-            log("trials still running on other workers; leaving them to those workers")
+            log("trials still running on other workers; choosing without them")
             return False
         time.sleep(POLL_SECONDS)

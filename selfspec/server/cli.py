@@ -1,0 +1,92 @@
+"""`selfspec serve`: an OpenAI-compatible HTTP server over one model.
+
+    selfspec serve --model qwen2.5-coder-1.5b --port 8000
+
+then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). Requests run one at a
+time on the engine with the default drafter (context n-gram and layer-skip drafts, chosen each
+round); the others wait in a bounded queue and a full queue answers 503. SIGTERM or Ctrl-C
+stops accepting, cancels what waits and shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from selfspec.cliargs import add_model_arguments, check_at_least, load_engine, resolve_plan
+
+DESCRIPTION = __doc__
+DEFAULT_PORT = 8000
+DEFAULT_QUEUE = 16
+DEFAULT_MAX_TOKENS = 1024
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_model_arguments(parser)
+    parser.add_argument("--plan", default=None, help="skip plan JSON (default: the model's plan)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"({DEFAULT_PORT})")
+    parser.add_argument(
+        "--served-name",
+        default=None,
+        help="model name clients send (default: --model)",
+    )
+    parser.add_argument(
+        "--queue-size",
+        type=int,
+        default=DEFAULT_QUEUE,
+        help=f"requests that may wait; more get 503 (default {DEFAULT_QUEUE})",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"new tokens when a request names no max_tokens (default {DEFAULT_MAX_TOKENS})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from selfspec.server.app import Service, create_app
+    from selfspec.server.scheduler import Scheduler
+
+    check_at_least("--queue-size", args.queue_size, 1)
+    check_at_least("--max-tokens", args.max_tokens, 1)
+    check_at_least("--port", args.port, 0)
+    engine = load_engine(args)
+    plan = resolve_plan(engine, args)
+    drafter = engine.self_drafter(plan, layer_skip=plan is not None)
+    scheduler = Scheduler(engine, drafter, args.queue_size)
+    service = Service(engine, scheduler, args.served_name or args.model, args.max_tokens)
+    app = create_app(service)
+    app.router.on_shutdown.append(scheduler.stop)
+    print(
+        f"[selfspec] serving {service.model_name} ({engine.loaded.speed}) on "
+        f"http://{args.host}:{args.port}/v1; {drafter.describe()}",
+        file=sys.stderr,
+        flush=True,
+    )
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the
+    # handler it found: ours ends the command with status 0 instead of dying by the signal.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("[selfspec] server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(_signum, _frame):
+    raise _Terminated

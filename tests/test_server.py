@@ -1,0 +1,265 @@
+"""`selfspec serve` for real: the server starts on a loopback port in a child process and the real
+`openai` client (or plain HTTP, for requests that client cannot send) talks to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+QUEUE = 2
+ENV = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", MODEL]
+    command += ["--port", str(port), "--queue-size", str(QUEUE)]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+                if json.load(reply)["status"] == "ok":
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail("the server did not come up")
+    yield {"base": base, "process": process, "log": log}
+    if process.poll() is None:
+        process.kill()
+
+
+def _client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _generate(*args: str) -> str:
+    """What `selfspec generate` prints on stdout, without the newline it adds at the end."""
+    command = [sys.executable, "-m", "selfspec.cli", "generate", *args, "--model", MODEL]
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n")
+    return done.stdout[:-1]
+
+
+def _post(server, path: str, body, timeout=300) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server["base"] + path, data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def _metrics(server) -> dict:
+    with urllib.request.urlopen(server["base"] + "/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {
+        line.split()[0].removeprefix("selfspec_"): float(line.split()[1])
+        for line in lines
+        if line and not line.startswith("#")
+    }
+
+
+def _chat(client, prompt: str, tokens: int, stream: bool = False, **extra):
+    messages = [{"role": "user", "content": prompt}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=tokens,
+        stream=stream,
+        **extra,
+    )
+    if not stream:
+        return reply
+    return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+
+
+def test_greedy_chat_is_what_generate_prints(server):
+    prompt = "Write a haiku about the sea."
+    expected = _generate("--chat", prompt, "--max-new-tokens", "32")
+    client = _client(server)
+    reply = _chat(client, prompt, 32)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 32
+    assert _chat(client, prompt, 32, stream=True) == expected
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_text_completion_and_usage(server):
+    expected = _generate("def fibonacci(n):", "--max-new-tokens", "24")
+    reply = _client(server).completions.create(
+        model=MODEL, prompt="def fibonacci(n):", max_tokens=24, temperature=0
+    )
+    assert reply.choices[0].text == expected
+    from transformers import AutoTokenizer
+
+    from selfspec.models import ensure_bundled
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_bundled(MODEL))
+    assert reply.usage.prompt_tokens == len(tokenizer("def fibonacci(n):")["input_ids"])
+    assert reply.usage.completion_tokens == 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 24
+
+
+def test_stop_strings_end_the_text_before_them(server):
+    client = _client(server)
+    whole = _chat(client, "Count from 1 to 20, separated by commas.", 48).choices[0].message
+    assert "5" in whole.content
+    cut = _chat(client, "Count from 1 to 20, separated by commas.", 48, stop=["5"])
+    text = cut.choices[0].message.content
+    assert cut.choices[0].finish_reason == "stop"
+    assert text == whole.content[: whole.content.index("5")]
+    streamed = _chat(client, "Count from 1 to 20, separated by commas.", 48, True, stop=["5"])
+    assert streamed == text
+
+
+def test_concurrent_clients_get_their_solo_answers(server):
+    client = _client(server)
+    prompts = ["Name three colours.", "What is 2 + 2?", "Say hello in French."]
+    solo = {p: _chat(client, p, 24).choices[0].message.content for p in prompts}
+    together: dict = {}
+
+    def ask(prompt):
+        together[prompt] = _chat(_client(server), prompt, 24, stream=prompt.startswith("W"))
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    answers = {
+        p: a if isinstance(a, str) else a.choices[0].message.content for p, a in together.items()
+    }
+    assert answers == solo
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "smollm2-135m", "messages": [', 400, "not valid JSON"),
+    (
+        "unknown model",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model 'gpt-9' is not served here",
+    ),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages is empty"),
+    (
+        "max_tokens 0",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        400,
+        "max_tokens must be at least 1",
+    ),
+    (
+        "max_tokens past the window",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+        400,
+        "exceed the model's context window of 8192",
+    ),
+    (
+        "prompt past the window",
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]},
+        400,
+        "more than the model's context window of 8192",
+    ),
+    (
+        "two choices",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2},
+        400,
+        "n:",
+    ),
+    (
+        "temperature too high",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7},
+        400,
+        "temperature:",
+    ),
+    ("no messages field", {"model": MODEL}, 400, "messages: Field required"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, body, status, message", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS]
+)
+def test_bad_requests_get_an_openai_error(server, name, body, status, message):
+    code, reply = _post(server, "/v1/chat/completions", body)
+    assert code == status, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert message in reply["error"]["message"], reply
+
+
+def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
+    before = _metrics(server)
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+        "max_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }
+    request = urllib.request.Request(
+        server["base"] + "/v1/chat/completions",
+        data=json.dumps(long).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    stream = urllib.request.urlopen(request, timeout=60)
+    assert stream.readline().startswith(b"data: ")  # it runs
+    short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    waiting = [
+        threading.Thread(target=_post, args=(server, "/v1/chat/completions", short))
+        for _ in range(QUEUE)
+    ]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _metrics(server)["queue_depth"] < QUEUE and time.monotonic() < deadline:
+        time.sleep(0.1)
+    code, reply = _post(server, "/v1/chat/completions", short)
+    assert code == 503 and reply["error"]["code"] == "server_busy"
+    stream.close()  # the client goes away mid-stream
+    for t in waiting:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a waiting request never ran after the slot was freed"
+    after = _metrics(server)
+    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert after["requests_rejected_total"] == before["requests_rejected_total"] + 1
+    assert after["requests_total"] == before["requests_total"] + QUEUE
+    assert after["requests_running"] == 0 and after["queue_depth"] == 0
+
+
+def test_sigterm_shuts_down_cleanly(server):
+    process = server["process"]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0, server["log"].read_text()
+    assert "Traceback" not in server["log"].read_text()
