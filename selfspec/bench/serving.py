@@ -1,0 +1,133 @@
+"""Concurrent streams against the real `selfspec serve`: each prompt's stream alone, then N
+streams at once, through the OpenAI client; tokens/s per stream and in aggregate.
+
+    python -m selfspec.bench.serving --model qwen2.5-coder-1.5b --streams 4 --max-tokens 64
+
+It starts the server itself on a free loopback port (same model, speed mode and defaults as
+`selfspec serve`), waits for /health, runs the streams and stops it. Greedy requests, so every
+concurrent answer must equal its solo answer (checked). Needs the `openai` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from selfspec.prompts import load_prompts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, speed: str, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", model, "--speed", speed]
+    command += ["--port", str(port), "--queue-size", "64"]
+    env = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
+    process = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    for _ in range(1200):
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return process
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise SystemExit("the server did not come up in 10 minutes")
+
+
+def _one(client, model: str, prompt: str, tokens: int) -> dict:
+    start = time.perf_counter()
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=tokens,
+    )
+    seconds = time.perf_counter() - start
+    made = reply.usage.completion_tokens
+    return {"text": reply.choices[0].message.content, "tokens": made, "tok_s": made / seconds}
+
+
+def _together(client, model: str, prompts: list[str], tokens: int) -> tuple[list[dict], float]:
+    results: list = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        results[i] = _one(client, model, prompts[i], tokens)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: list[str]) -> dict:
+    from openai import OpenAI
+
+    port = _free_port()
+    server = _start_server(model, speed, port)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
+        _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)
+        alone = [_one(client, model, p, tokens) for p in prompts]
+        together, seconds = _together(client, model, prompts, tokens)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    identical = all(a["text"] == t["text"] for a, t in zip(alone, together))
+    alone_median = statistics.median(a["tok_s"] for a in alone)
+    per_stream = [t["tok_s"] / a["tok_s"] for a, t in zip(alone, together)]
+    aggregate = sum(t["tokens"] for t in together) / seconds
+    return {
+        "model": model,
+        "speed": speed,
+        "streams": streams,
+        "max_tokens": tokens,
+        "alone_tok_s_median": round(alone_median, 2),
+        "aggregate_tok_s": round(aggregate, 2),
+        "aggregate_vs_one_stream": round(aggregate / alone_median, 3),
+        "per_stream_vs_alone_min": round(min(per_stream), 3),
+        "per_stream_vs_alone_median": round(statistics.median(per_stream), 3),
+        "answers_identical_to_solo": identical,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m selfspec.bench.serving", description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--speed", default="auto")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default="spec-bench", help="prompt set (one per stream)")
+    parser.add_argument("--out", default=None, help="write the result as JSON here too")
+    args = parser.parse_args(argv)
+    if args.streams < 1 or args.max_tokens < 1:
+        parser.error("--streams and --max-tokens must be at least 1")
+    chosen = load_prompts(args.prompts, limit=1)[: args.streams]
+    result = bench_serving(
+        args.model, args.speed, args.streams, args.max_tokens, [p.text for p in chosen]
+    )
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
