@@ -105,7 +105,7 @@ class DecodeStats:
         return out
 
 
-class _Stopper:
+class Stopper:
     """EOS, stop strings and max_new_tokens, checked after every single token as plain decoding
     would."""
 
@@ -195,13 +195,13 @@ def accept(
 
 
 @dataclass
-class _Generation:
+class Generation:
     """One generation's state as the loop advances it."""
 
     committed: list[int]  # prompt and every token so far; the last is pending (not yet cached)
     generated: list[int]
     stats: DecodeStats
-    stopper: _Stopper
+    stopper: Stopper
     on_tokens: Callable[[list[int]], None] | None
     stop: str = ""
 
@@ -227,16 +227,20 @@ def generate_ids(
     drafter: Drafter | None = None,
     tokenizer=None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    pause: Callable[[], bool] | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode up to max_new_tokens after ``prompt_ids``; with no drafter this is plain decoding.
 
     ``on_tokens`` is called with each batch of newly committed tokens, as soon as they are final.
+    ``pause`` is asked after every round; when it says so the generation stops with stop reason
+    "paused", its committed tokens' keys and values in the runner's cache, to be continued
+    elsewhere (``selfspec.batch.resume_sequence``).
     """
     check_request(prompt_ids, config, runner)
-    generator = _generator(config, runner.device)
+    generator = make_generator(config, runner.device)
     width = config.max_draft_tokens
     stats = DecodeStats(drafted_by_position=[0] * width, accepted_by_position=[0] * width)
-    gen = _Generation(list(prompt_ids), [], stats, _Stopper(config, tokenizer), on_tokens)
+    gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
     max_len = len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2
     runner.reset(max_len)
     if drafter is not None:
@@ -251,6 +255,8 @@ def generate_ids(
     gen.commit([first])
     while not gen.stop:
         _round(runner, gen, config, drafter, generator)
+        if not gen.stop and pause is not None and pause():
+            gen.stop = "paused"
 
     stats.seconds = time.perf_counter() - t0
     stats.new_tokens = len(gen.generated)
@@ -260,7 +266,7 @@ def generate_ids(
 
 
 def _round(
-    runner, gen: _Generation, config: DecodeConfig, drafter: Drafter | None, generator
+    runner, gen: Generation, config: DecodeConfig, drafter: Drafter | None, generator
 ) -> None:
     """One round: draft (when a drafter runs and there is room), verify, accept, commit."""
     room = config.max_new_tokens - len(gen.generated)
@@ -289,7 +295,7 @@ def _note_fallback(stats: DecodeStats, at_token: int) -> None:
     stats.fallbacks += 1
 
 
-def _generator(config: DecodeConfig, device) -> torch.Generator | None:
+def make_generator(config: DecodeConfig, device) -> torch.Generator | None:
     if config.sampling.greedy:
         return None
     generator = torch.Generator(device=device)

@@ -12,6 +12,7 @@ later passes overwrite whatever drafts left beyond the committed length.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,45 @@ class ModelRunner:
         self.windows = {
             self.adapter.window(i) for i in range(self.num_layers)
         }  # None: full attention
+
+    @property
+    def can_batch(self) -> bool:
+        """Whether ``forward_many`` runs here: fused kernel layers and full attention only."""
+        return self.adapter.fused is not None and self.windows == {None}
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """A cache of its own for one more sequence (``forward_many``, ``using``)."""
+        a = self.adapter
+        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device)
+
+    @contextlib.contextmanager
+    def using(self, cache: KVCache):
+        """Run passes over ``cache`` instead of the runner's own for a while."""
+        own, self.cache = self.cache, cache
+        try:
+            yield
+        finally:
+            self.cache = own
+
+    @torch.inference_mode()
+    def forward_many(
+        self, caches: list[KVCache], tokens: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        """One token of each of several sequences in one pass, sequence m's token at
+        ``positions[m]`` of its own cache ``caches[m]``: logits [M, vocab]. Every row gets the bits
+        of its sequence's own one-token pass (rows never mix), so batching changes no token."""
+        a, m = self.adapter, len(tokens)
+        hidden = a.embed(torch.tensor(tokens, device=self.device).view(1, m))
+        cos, sin = a.position_embeddings(
+            hidden, torch.tensor(positions, device=self.device).view(1, m)
+        )[a.layer_types[0]]
+        rows = hidden.reshape(m, -1)
+        for i in range(self.num_layers):
+            keys = [c.keys[i, 0] for c in caches]
+            values = [c.values[i, 0] for c in caches]
+            rows = a.fused[i].attention_many(rows, cos, sin, keys, values, positions)
+            rows = a.fused[i].mlp(rows)
+        return a.logits(rows.view(1, m, -1))[0].float()
 
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""

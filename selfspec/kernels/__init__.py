@@ -79,16 +79,24 @@ def _compile():
             file=sys.stderr,
             flush=True,
         )
-    return load(
-        name="selfspec_kernels",
-        sources=[str(SOURCE)],
-        build_directory=str(folder),
-        # fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add the
-        # code did not ask for).
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    from filelock import FileLock
+
+    folder.mkdir(parents=True, exist_ok=True)
+    # torch marks a build in progress with a plain file that a killed build leaves behind, and
+    # every later build would wait on it for ever. An OS lock dies with its process: whoever holds
+    # it is the only builder, so a baton file found then is stale.
+    with FileLock(str(folder.parent / f"{folder.name}.build.lock")):
+        (folder / "lock").unlink(missing_ok=True)
+        return load(
+            name="selfspec_kernels",
+            sources=[str(SOURCE)],
+            build_directory=str(folder),
+            # fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add
+            # the code did not ask for).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def load_kernel():

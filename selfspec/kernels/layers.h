@@ -139,6 +139,49 @@ struct DecoderLayer {
     return h + o.forward(out);
   }
 
+  // One row per sequence: row m is sequence m's next token, at position starts[m] of its own cache
+  // keys[m], values[m] ([kv_heads, max_len, D] each). The linear layers run over all rows at once;
+  // each row's rotary embedding (cos/sin row m), cache write and attention over its own keys
+  // 0..starts[m] are its own, so every row gets the bits of its sequence's one-token pass.
+  torch::Tensor attention_many(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> keys,
+                               std::vector<torch::Tensor> values, std::vector<int64_t> starts) const {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.dtype() == torch::kFloat32, "h must be [M, H] float32");
+    const int64_t M = h.size(0), D = head_dim, group = heads / kv_heads;
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == M && static_cast<int64_t>(values.size()) == M &&
+                    static_cast<int64_t>(starts.size()) == M, "one cache and start per row");
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(keys[m].size(1) > starts[m] && keys[m].stride(2) == 1 && values[m].stride(2) == 1, "cache too short");
+    cos = cos.reshape({M, D}).contiguous();
+    sin = sin.reshape({M, D}).contiguous();
+    auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
+    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
+    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
+    rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    auto ks3 = ks.view({M, kv_heads, D}), vs3 = vs.view({M, kv_heads, D});
+    for (int64_t m = 0; m < M; ++m) {
+      keys[m].select(1, starts[m]).copy_(ks3[m]);
+      values[m].select(1, starts[m]).copy_(vs3[m]);
+    }
+    auto out = torch::empty({M, heads * D}, h.options());
+    const float* qp = qs.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float fscale = static_cast<float>(scale);
+    at::parallel_for(0, M * heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t m = t / heads, hk = (t % heads) / group, L = starts[m] + 1;
+        scores.resize(L);
+        const torch::Tensor& kc = keys[m];
+        const torch::Tensor& vc = values[m];
+        attend_row(qp + t * D, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
+                   vc.data_ptr<float>() + hk * vc.stride(0), vc.stride(1), D, L, fscale,
+                   [](int64_t) { return true; }, scores.data(), op + t * D);
+      }
+    });
+    return h + o.forward(out);
+  }
+
   void attend(const torch::Tensor& qs, const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
               const torch::Tensor& mask, torch::Tensor& out) const {
     const int64_t M = qs.size(0), D = head_dim, L = start + M, group = heads / kv_heads;

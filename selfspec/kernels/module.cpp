@@ -34,6 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"))
       .def("attention", &DecoderLayer::attention, "h + the attention sublayer of h (writes this pass's keys/values)",
            py::call_guard<py::gil_scoped_release>())
+      .def("attention_many", &DecoderLayer::attention_many,
+           "h + the attention sublayer for one token of each of several sequences, each with its own cache",
+           py::call_guard<py::gil_scoped_release>())
       .def("mlp", &DecoderLayer::mlp, "h + the MLP sublayer of h", py::call_guard<py::gil_scoped_release>());
   m.attr("PACKED_KIND") = kPackedKind;
   m.attr("QUANT_KIND") = kQuantKind;

@@ -2,10 +2,11 @@
 
     selfspec serve --model qwen2.5-coder-1.5b --port 8000
 
-then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). Requests run one at a
-time on the engine with the default drafter (context n-gram and layer-skip drafts, chosen each
-round); the others wait in a bounded queue and a full queue answers 503. SIGTERM or Ctrl-C
-stops accepting, cancels what waits and shuts down.
+then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs
+with the default drafter (context n-gram and layer-skip drafts, chosen each round); concurrent
+requests share passes, one token of each per pass (selfspec.batch). Requests wait in a bounded
+queue and a full queue answers 503. SIGTERM or Ctrl-C stops accepting, cancels what waits and
+shuts down.
 """
 
 from __future__ import annotations

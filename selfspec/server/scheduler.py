@@ -1,9 +1,10 @@
-"""One worker thread owns the engine and runs requests from a bounded queue, one at a time.
+"""One worker thread owns the engine: it admits requests from a bounded queue and decodes them,
+together in one batch when several are active (``Scheduler``).
 
 Requests wait in a queue of ``queue_size``; a full queue refuses new ones (the server answers
 503) instead of growing without limit. A request's text goes back through ``Job.on_event``
-(called on the worker thread) as it is accepted; a request whose client went away is
-cancelled at its next text and its slot freed. Counters for /metrics live here too.
+(called on the worker thread) as it is accepted; a request whose client went away leaves the
+batch at the next pass. Counters for /metrics live here too.
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from typing import TYPE_CHECKING
 from selfspec.server.protocol import APIError
 
 if TYPE_CHECKING:
+    from selfspec.batch import Sequence
     from selfspec.decode import DecodeConfig
     from selfspec.drafters import Drafter
     from selfspec.engine import Engine
-
-
-class _Cancelled(Exception):
-    pass
 
 
 @dataclass
@@ -81,11 +79,12 @@ class Metrics:
     drafted: int = 0
     accepted: int = 0
     seconds: float = 0.0
+    busy: float = 0.0  # wall time the engine spent on requests (overlapping ones count once)
     active: int = 0
     queued: int = 0
 
     def prometheus(self) -> str:
-        speed = self.completion_tokens / self.seconds if self.seconds else 0.0
+        speed = self.completion_tokens / self.busy if self.busy else 0.0
         acceptance = self.accepted / self.drafted if self.drafted else 0.0
         mal = self.completion_tokens / self.target_passes if self.target_passes else 0.0
         rows = [
@@ -98,8 +97,9 @@ class Metrics:
             ("target_passes_total", "counter", "full-model passes", self.target_passes),
             ("drafted_tokens_total", "counter", "tokens drafted", self.drafted),
             ("accepted_tokens_total", "counter", "drafted tokens accepted", self.accepted),
-            ("generation_seconds_total", "counter", "time spent generating", self.seconds),
-            ("tokens_per_second", "gauge", "completion tokens / generation seconds", speed),
+            ("generation_seconds_total", "counter", "request times added up", self.seconds),
+            ("engine_busy_seconds_total", "counter", "wall time spent generating", self.busy),
+            ("tokens_per_second", "gauge", "completion tokens / engine busy seconds", speed),
             ("acceptance_rate", "gauge", "accepted / drafted", acceptance),
             ("mean_accepted_length", "gauge", "tokens per full-model pass", mal),
             ("requests_running", "gauge", "requests being generated", self.active),
@@ -117,24 +117,40 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+@dataclass
+class _Running:
+    """A job being decoded in the batch."""
+
+    job: Job
+    sequence: Sequence
+    trimmer: StopTrimmer
+
+
 class Scheduler:
-    """The engine's only user: runs queued jobs one by one on a worker thread."""
+    """The engine's only user: a worker thread that admits queued jobs and decodes them.
+
+    A job alone runs speculatively with the drafter. When others arrive it is paused after its
+    current round and goes on with them in a batch: one pass per step serves one token of every
+    active job (``selfspec.batch``), jobs joining and leaving between passes. Where the runner
+    cannot batch (speed mode torch, sliding-window attention) jobs run one after another."""
 
     def __init__(self, engine: Engine, drafter: Drafter | None, queue_size: int):
         self.engine, self.drafter = engine, drafter
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.metrics = Metrics()
-        self.current: Job | None = None
+        self.batch: list[_Running] = []
         self.lock = threading.Lock()
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._work, name="selfspec-engine", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
-            with self.lock:
-                self.metrics.rejected += 1
+            self._count(rejected=1)
             raise APIError(
                 503,
                 f"the server is busy: {self.jobs.maxsize} requests are already waiting. Retry "
@@ -142,72 +158,154 @@ class Scheduler:
                 code="server_busy",
                 kind="server_error",
             ) from None
-        with self.lock:
-            self.metrics.queued = self.jobs.qsize()
+        self._gauges()
 
     def stop(self) -> None:
         """Cancel what runs and what waits; end the worker."""
+        self.stopping.set()
+        for running in list(self.batch):
+            running.job.cancelled.set()
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                job.cancelled.set()
-                job.on_event("error", "the server is shutting down")
-        if self.current is not None:
-            self.current.cancelled.set()
+            job.cancelled.set()
+            job.on_event("error", "the server is shutting down")
         self.jobs.put(None)
         self.thread.join(timeout=30)
 
+    # -- the worker thread ------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            new = self._take(wait=not self.batch)
+            if new is None:
                 return
-            with self.lock:
-                self.metrics.queued = self.jobs.qsize()
-            if job.cancelled.is_set():
-                with self.lock:
-                    self.metrics.cancelled += 1
-                continue
-            self.current = job
-            try:
-                self._run(job)
-            finally:
-                self.current = None
+            busy_from = time.perf_counter()
+            if not self.batch and len(new) == 1:
+                self._solo(new[0])
+            else:
+                for job in new:
+                    self._start(job)
+            if self.batch:
+                self._step()
+            self._count(busy=time.perf_counter() - busy_from)
+            self._gauges()
 
-    def _run(self, job: Job) -> None:
-        trimmer = StopTrimmer(job.config.stop_strings)
+    def _take(self, wait: bool) -> list[Job] | None:
+        """Every queued job (waiting for one when ``wait``); None once stopped."""
+        taken = [self.jobs.get()] if wait else []
+        while True:
+            try:
+                taken.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        if None in taken or self.stopping.is_set():
+            return None
+        live = [job for job in taken if not job.cancelled.is_set()]
+        self._count(cancelled=len(taken) - len(live))
+        return live
+
+    def _emitter(self, job: Job, trimmer: StopTrimmer):
+        from selfspec.engine import TextStream
 
         def on_text(delta: str) -> None:
-            if job.cancelled.is_set():
-                raise _Cancelled
             out = trimmer.feed(delta)
             if out:
                 job.on_event("text", out)
 
+        return TextStream(self.engine.tokenizer, on_text)
+
+    def _solo(self, job: Job) -> None:
+        """Speculative decoding while the job is alone; paused into the batch when others come."""
+        from selfspec.batch import resume_sequence
+        from selfspec.decode import generate_ids
+
+        runner, trimmer = self.engine.runner, StopTrimmer(job.config.stop_strings)
+        stream = self._emitter(job, trimmer)
+        batching = runner.can_batch
+
+        def pause() -> bool:
+            return job.cancelled.is_set() or (batching and not self.jobs.empty())
+
         with self.lock:
             self.metrics.active = 1
-        t0 = time.perf_counter()
         try:
-            result = self.engine.generate(
-                job.prompt_ids, self.drafter, config=job.config, on_text=on_text
+            generated, stats = generate_ids(
+                runner,
+                job.prompt_ids,
+                job.config,
+                self.drafter,
+                self.engine.tokenizer,
+                on_tokens=stream,
+                pause=pause,
             )
-        except _Cancelled:
-            self._count(cancelled=1)
-            return
         except Exception as exc:  # the request fails, the server goes on
-            self._count(failed=1)
-            job.on_event("error", f"generation failed: {type(exc).__name__}: {exc}")
+            self._fail(job, exc)
             return
-        finally:
-            with self.lock:
-                self.metrics.active = 0
+        if job.cancelled.is_set():
+            self._count(cancelled=1)
+        elif stats.stop_reason != "paused":
+            self._done(job, trimmer, stats)
+        else:
+            sequence = resume_sequence(
+                runner,
+                job.prompt_ids,
+                generated,
+                stats,
+                job.config,
+                self.engine.tokenizer,
+                on_tokens=stream,
+            )
+            self.batch.append(_Running(job, sequence, trimmer))
+
+    def _start(self, job: Job) -> None:
+        from selfspec.batch import start_sequence
+
+        if not self.engine.runner.can_batch:
+            self._solo(job)
+            return
+        trimmer = StopTrimmer(job.config.stop_strings)
+        try:
+            sequence = start_sequence(
+                self.engine.runner,
+                job.prompt_ids,
+                job.config,
+                self.engine.tokenizer,
+                on_tokens=self._emitter(job, trimmer),
+            )
+        except Exception as exc:
+            self._fail(job, exc)
+            return
+        if sequence.gen.stop:
+            self._done(job, trimmer, sequence.finish())
+        else:
+            self.batch.append(_Running(job, sequence, trimmer))
+
+    def _step(self) -> None:
+        """One pass for the whole batch; finished and cancelled jobs leave it."""
+        from selfspec.batch import step
+
+        cancelled = [r for r in self.batch if r.job.cancelled.is_set()]
+        self.batch = [r for r in self.batch if not r.job.cancelled.is_set()]
+        self._count(cancelled=len(cancelled))
+        if not self.batch:
+            return
+        try:
+            step(self.engine.runner, [r.sequence for r in self.batch])
+        except Exception as exc:
+            for running in self.batch:
+                self._fail(running.job, exc)
+            self.batch = []
+            return
+        for running in [r for r in self.batch if r.sequence.gen.stop]:
+            self.batch.remove(running)
+            self._done(running.job, running.trimmer, running.sequence.finish())
+
+    def _done(self, job: Job, trimmer: StopTrimmer, stats) -> None:
         tail = trimmer.finish()
         if tail:
             job.on_event("text", tail)
-        stats = result.stats
         finish = "length" if stats.stop_reason == "max_new_tokens" else "stop"
         self._count(
             requests=1,
@@ -216,9 +314,18 @@ class Scheduler:
             target_passes=stats.target_passes + 1,  # the prefill gave the first token
             drafted=stats.drafted,
             accepted=stats.accepted,
-            seconds=time.perf_counter() - t0,
+            seconds=stats.seconds,
         )
         job.on_event("done", (trimmer.whole(), finish, stats))
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        self._count(failed=1)
+        job.on_event("error", f"generation failed: {type(exc).__name__}: {exc}")
+
+    def _gauges(self) -> None:
+        with self.lock:
+            self.metrics.active = len(self.batch)
+            self.metrics.queued = self.jobs.qsize()
 
     def _count(self, **amounts) -> None:
         with self.lock:
