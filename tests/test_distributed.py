@@ -30,7 +30,7 @@ def postgres_url(tmp_path_factory):
 
 def _worker(storage: str, study: str, out, trials: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "selfspec.cli", "search", "--model", MODEL]
-    command += ["--trials", str(trials), "--tokens", "16", "--limit", "1", "--confirm", "0"]
+    command += ["--trials", str(trials), "--tokens", "32", "--limit", "1", "--confirm", "0"]
     command += ["--storage", storage, "--study", study, "--out", str(out)]
     log = open(out.parent / "worker.log", "w")  # noqa: SIM115 (closed with the process)
     env = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
@@ -45,8 +45,9 @@ def _trials(storage: str, study: str):
     return optuna.load_study(study_name=study, storage=open_storage(storage)).trials
 
 
-def _kill_mid_trial(worker: subprocess.Popen, storage: str, study: str, deadline=240):
-    """SIGKILL ``worker`` while it runs a trial, once the study holds two finished ones."""
+def _kill_mid_trial(worker: subprocess.Popen, storage: str, study: str, deadline=240) -> bool:
+    """SIGKILL ``worker`` while it runs a trial, once the study holds two finished ones. True when
+    it died with a trial RUNNING (a trial can end between the look and the kill)."""
     start = time.monotonic()
     while time.monotonic() - start < deadline:
         assert worker.poll() is None, "the worker ended before it could be killed"
@@ -57,8 +58,11 @@ def _kill_mid_trial(worker: subprocess.Popen, storage: str, study: str, deadline
         if states["COMPLETE"] + states["PRUNED"] >= 2 and states["RUNNING"]:
             worker.send_signal(signal.SIGKILL)
             worker.wait()
-            return
-        time.sleep(0.2)
+            return any(
+                t.state.name == "RUNNING" and f":{worker.pid}:" in t.user_attrs.get("worker", "")
+                for t in _trials(storage, study)
+            )
+        time.sleep(0.05)
     worker.kill()
     pytest.fail("no trial was running within the deadline")
 
@@ -87,16 +91,23 @@ def _check_study(storage: str, study: str, trials: int, outs) -> None:
 
 
 def _killed_then_two_workers(storage: str, study: str, tmp_path, trials: int) -> None:
-    folders = [tmp_path / name for name in ("killed", "b", "c")]
+    for attempt in range(5):  # until a worker dies with a trial running
+        killed = tmp_path / f"killed{attempt}"
+        killed.mkdir()
+        worker = _worker(storage, study, killed / "plan.json", trials)
+        if _kill_mid_trial(worker, storage, study):
+            break
+    else:
+        pytest.fail("five workers were killed between trials, none during one")
+    folders = [tmp_path / name for name in ("b", "c")]
     for folder in folders:
         folder.mkdir()
-    _kill_mid_trial(_worker(storage, study, folders[0] / "plan.json", trials), storage, study)
-    fresh = [_worker(storage, study, f / "plan.json", trials) for f in folders[1:]]
-    for worker, folder in zip(fresh, folders[1:]):
+    fresh = [_worker(storage, study, f / "plan.json", trials) for f in folders]
+    for worker, folder in zip(fresh, folders):
         assert worker.wait(timeout=600) == 0, (folder / "worker.log").read_text()[-2000:]
-    assert not (folders[0] / "plan.json").exists()
-    _check_study(storage, study, trials, [f / "plan.json" for f in folders[1:]])
-    logs = "".join((f / "worker.log").read_text() for f in folders[1:])
+    assert not list(tmp_path.glob("killed*/plan.json"))  # a killed worker writes nothing
+    _check_study(storage, study, trials, [f / "plan.json" for f in folders])
+    logs = "".join((f / "worker.log").read_text() for f in folders)
     assert logs.count("died with its worker") == 1
 
 

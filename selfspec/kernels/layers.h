@@ -10,6 +10,8 @@
 
 #include "ops.h"
 
+#include <tuple>
+
 namespace selfspec {
 
 constexpr int64_t kPackedKind = 0;  // float32 panels [P, K, 16] (speed mode packed)
@@ -110,6 +112,20 @@ struct DecoderLayer {
     return {x, quantize_rows(x)};
   }
 
+  // q, k and v of rms_norm(h) [M, H], q and k turned by the rotary embedding (cos, sin: [M, D]).
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotated_qkv(const torch::Tensor& h, torch::Tensor cos,
+                                                                      torch::Tensor sin) const {
+    const int64_t M = h.size(0), D = head_dim;
+    cos = cos.reshape({M, D}).contiguous();
+    sin = sin.reshape({M, D}).contiguous();
+    auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
+    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
+    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
+    rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    return {qs, ks, vs};
+  }
+
   // h [M, H] at positions given by cos/sin [M, D]; keys, values [kv_heads, max_len, D] (this
   // layer's cache, strided views are fine); this pass's keys and values are written at rows
   // start..start+M-1. mask: None (row m sees keys 0..start+m) or bool [M, start+M].
@@ -118,13 +134,7 @@ struct DecoderLayer {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.dtype() == torch::kFloat32, "h must be [M, H] float32");
     const int64_t M = h.size(0), D = head_dim, L = start + M;
     TORCH_CHECK(keys.size(1) >= L && keys.stride(2) == 1 && values.stride(2) == 1, "cache too short");
-    cos = cos.reshape({M, D}).contiguous();
-    sin = sin.reshape({M, D}).contiguous();
-    auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
-    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
-    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
-    rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
-    rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    auto [qs, ks, vs] = rotated_qkv(h, cos, sin);
     for (int64_t hk = 0; hk < kv_heads; ++hk) {
       keys[hk].slice(0, start, L).copy_(ks.view({M, kv_heads, D}).select(1, hk));
       values[hk].slice(0, start, L).copy_(vs.view({M, kv_heads, D}).select(1, hk));
@@ -151,13 +161,7 @@ struct DecoderLayer {
                     static_cast<int64_t>(starts.size()) == M, "one cache and start per row");
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(keys[m].size(1) > starts[m] && keys[m].stride(2) == 1 && values[m].stride(2) == 1, "cache too short");
-    cos = cos.reshape({M, D}).contiguous();
-    sin = sin.reshape({M, D}).contiguous();
-    auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
-    const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
-    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
-    rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
-    rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    auto [qs, ks, vs] = rotated_qkv(h, cos, sin);
     auto ks3 = ks.view({M, kv_heads, D}), vs3 = vs.view({M, kv_heads, D});
     for (int64_t m = 0; m < M; ++m) {
       keys[m].select(1, starts[m]).copy_(ks3[m]);
