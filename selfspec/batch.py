@@ -20,9 +20,9 @@ from selfspec.decode import (
     DecodeStats,
     Generation,
     Stopper,
+    begin_generation,
     check_request,
     make_generator,
-    prefill,
 )
 
 if TYPE_CHECKING:
@@ -60,13 +60,10 @@ def start_sequence(
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
     cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + 1)
-    generator = make_generator(config, runner.device)
-    stats = DecodeStats()
-    gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
     with runner.using(cache):
-        first = prefill(runner, prompt_ids, config.sampling, generator)
-    stats.prefill_seconds = time.perf_counter() - started
-    gen.commit([first])
+        gen, generator = begin_generation(
+            runner, prompt_ids, config, tokenizer, on_tokens, DecodeStats()
+        )
     return Sequence(cache, gen, config, generator, started)
 
 

@@ -220,6 +220,25 @@ class Generation:
             self.on_tokens(new)
 
 
+def begin_generation(
+    runner: ModelRunner,
+    prompt_ids: list[int],
+    config: DecodeConfig,
+    tokenizer,
+    on_tokens: Callable[[list[int]], None] | None,
+    stats: DecodeStats,
+) -> tuple[Generation, torch.Generator | None]:
+    """Prefill ``prompt_ids`` over the runner's current cache and commit the first token: the
+    generation's state and its random generator (None when greedy)."""
+    generator = make_generator(config, runner.device)
+    gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
+    t0 = time.perf_counter()
+    first = prefill(runner, prompt_ids, config.sampling, generator)
+    stats.prefill_seconds = time.perf_counter() - t0
+    gen.commit([first])
+    return gen, generator
+
+
 def generate_ids(
     runner: ModelRunner,
     prompt_ids: list[int],
@@ -237,10 +256,8 @@ def generate_ids(
     elsewhere (``selfspec.batch.resume_sequence``).
     """
     check_request(prompt_ids, config, runner)
-    generator = make_generator(config, runner.device)
     width = config.max_draft_tokens
     stats = DecodeStats(drafted_by_position=[0] * width, accepted_by_position=[0] * width)
-    gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
     max_len = len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2
     runner.reset(max_len)
     if drafter is not None:
@@ -250,9 +267,7 @@ def generate_ids(
         drafter.begin(prompt_ids, max_len, DraftSettings(threshold, fallback=config.fallback))
 
     t0 = time.perf_counter()
-    first = prefill(runner, prompt_ids, config.sampling, generator)
-    stats.prefill_seconds = time.perf_counter() - t0
-    gen.commit([first])
+    gen, generator = begin_generation(runner, prompt_ids, config, tokenizer, on_tokens, stats)
     while not gen.stop:
         _round(runner, gen, config, drafter, generator)
         if not gen.stop and pause is not None and pause():

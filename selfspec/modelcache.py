@@ -4,7 +4,7 @@ CRC-32 so that damage is noticed.
 
 A start checks sizes and mtimes only (cheap); a file whose mtime moved is checksummed, so a file
 truncated or written over is caught without hashing gigabytes on every start. Bit rot under an
-unchanged mtime is caught by ``verify_entry`` (``selfspec models --verify``).
+unchanged mtime is caught by ``entry_damage(folder, full=True)`` (``selfspec models --verify``).
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ def seal(folder: Path) -> None:
     atomic_write_text(marker, json.dumps(meta))
 
 
+def _marker(folder: Path) -> dict | None:
+    """The entry's marker, its "files" records defaulted to none; None if it cannot be read."""
+    try:
+        meta = json.loads((folder / MARKER_FILE).read_text())
+        meta.setdefault("files", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return meta
+
+
 def _file_damage(path: Path, rel: str, record, full: bool) -> tuple[str | None, bool]:
     """(what is wrong with one file or None, whether its record should be refreshed)."""
     if isinstance(record, int):  # entries sealed before checksums recorded sizes only
@@ -124,12 +134,10 @@ def _file_damage(path: Path, rel: str, record, full: bool) -> tuple[str | None, 
 def entry_damage(folder: Path, full: bool = False) -> str | None:
     """What is wrong with a finished cache entry (a file missing, of the wrong size or, where its
     mtime moved or ``full``, not matching its checksum); None if nothing is."""
-    marker = folder / MARKER_FILE
-    try:
-        meta = json.loads(marker.read_text())
-        files = meta.get("files", {})
-    except (OSError, ValueError, AttributeError):
+    meta = _marker(folder)
+    if meta is None:
         return f"its marker {MARKER_FILE} is unreadable"
+    files = meta["files"]
     refresh = False
     for rel, record in files.items():
         damage, moved = _file_damage(folder / rel, rel, record, full)
@@ -140,14 +148,11 @@ def entry_damage(folder: Path, full: bool = False) -> str | None:
             refresh = True
     if refresh:
         with contextlib.suppress(SelfSpecError):  # a read-only cache still loads
-            atomic_write_text(marker, json.dumps(meta))
+            atomic_write_text(folder / MARKER_FILE, json.dumps(meta))
     return None
 
 
 def has_checksums(folder: Path) -> bool:
     """Whether the entry's marker records checksums (entries cached by older versions do not)."""
-    try:
-        files = json.loads((folder / MARKER_FILE).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
-        return False
+    files = (_marker(folder) or {"files": {}})["files"]
     return bool(files) and all(isinstance(r, dict) and "crc32" in r for r in files.values())

@@ -92,9 +92,18 @@ class ModelRunner:
         return self.adapter.fused is not None and self.windows == {None}
 
     def new_cache(self, max_len: int) -> KVCache:
-        """A cache of its own for one more sequence (``forward_many``, ``using``)."""
+        """A cache for ``max_len`` positions (the runner's own, or one more sequence's for
+        ``forward_many`` and ``using``)."""
         a = self.adapter
-        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, self.device)
+        device = self.device
+        if self.loaded.device_map is not None:  # each layer's cache beside its attention
+            from selfspec.placement import execution_device
+
+            device = [
+                execution_device(self.loaded.device_map, f".layers.{i}.self_attn")
+                for i in range(a.num_layers)
+            ]
+        return KVCache(a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, device)
 
     @contextlib.contextmanager
     def using(self, cache: KVCache):
@@ -128,18 +137,7 @@ class ModelRunner:
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""
         if self.cache is None or self.cache.max_len < max_len:
-            a = self.adapter
-            device = self.device
-            if self.loaded.device_map is not None:  # each layer's cache beside its attention
-                from selfspec.placement import execution_device
-
-                device = [
-                    execution_device(self.loaded.device_map, f"layers.{i}.self_attn")
-                    for i in range(a.num_layers)
-                ]
-            self.cache = KVCache(
-                a.num_layers, a.num_kv_heads, a.head_dim, max_len, self.dtype, device
-            )
+            self.cache = self.new_cache(max_len)
 
     def _masks(self, start: int, n: int) -> dict:
         """Boolean masks [1, 1, n, start+n] per attention window; None where SDPA needs none."""

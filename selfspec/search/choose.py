@@ -17,6 +17,7 @@ from selfspec.search.report import write_importance_plot, write_report_md
 from selfspec.search.result import SearchResult
 from selfspec.search.space import plan_args
 from selfspec.search.storage import redact
+from selfspec.search.workers import trial_counts
 
 if TYPE_CHECKING:
     import optuna
@@ -26,12 +27,9 @@ if TYPE_CHECKING:
 
 
 def finished_counts(study: optuna.Study) -> tuple[int, int]:
-    from optuna.trial import TrialState
-
-    states = (TrialState.COMPLETE, TrialState.PRUNED)
-    trials = study.get_trials(deepcopy=False, states=states)
-    complete = sum(1 for t in trials if t.state == TrialState.COMPLETE)
-    return complete, len(trials) - complete
+    """(complete, pruned) trials."""
+    counts = trial_counts(study)
+    return counts["COMPLETE"], counts["PRUNED"]
 
 
 def ranked_trials(study: optuna.Study, num_layers: int) -> list:

@@ -104,8 +104,7 @@ def trial_counts(study: optuna.Study) -> Counter:
     return Counter(t.state.name for t in study.get_trials(deepcopy=False))
 
 
-def _done(study: optuna.Study, trials: int) -> bool:
-    counts = trial_counts(study)
+def _done(counts: Counter, trials: int) -> bool:
     return counts["COMPLETE"] >= trials and counts["WAITING"] == 0
 
 
@@ -129,7 +128,7 @@ def run_share(
     def count_and_stop(study: optuna.Study, _trial) -> None:
         nonlocal ran
         ran += 1
-        if _done(study, trials) or ran >= budget:
+        if _done(trial_counts(study), trials) or ran >= budget:
             study.stop()
 
     settle_until = None
@@ -140,7 +139,8 @@ def run_share(
             if ran >= budget:
                 log(f"ran {ran} trials without reaching {trials} complete ones; stopping")
             return False
-        if not _done(study, trials):
+        counts = trial_counts(study)
+        if not _done(counts, trials):
             settle_until = None
             try:
                 study.optimize(
@@ -152,7 +152,7 @@ def run_share(
             except KeyboardInterrupt:
                 return True
             continue
-        running = trial_counts(study)["RUNNING"]
+        running = counts["RUNNING"]
         if not running:
             return False
         if settle_until is None:
