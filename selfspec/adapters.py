@@ -175,8 +175,11 @@ def weight_fingerprint(model) -> str:
         "vocab_size",
     ):
         digest.update(f"{key}={getattr(config, key, None)};".encode())
-    embed = model.get_input_embeddings().weight
-    for row in (0, embed.shape[0] // 2, embed.shape[0] - 1):
-        sample = embed[row, :32].detach().to("cpu", torch.bfloat16).float()
+    embed = model.get_input_embeddings()
+    vocab = embed.num_embeddings
+    ids = torch.tensor([0, vocab // 2, vocab - 1])
+    # QuantEmbedding (selfspec.quantload) reads rows from the file: the same values
+    rows = embed.rows(ids) if hasattr(embed, "rows") else embed.weight[ids]
+    for sample in rows[:, :32].detach().to("cpu", torch.bfloat16).float():
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -41,7 +41,7 @@ _SUBCOMMAND_MODULES = {
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from selfspec.models import list_models
+    from selfspec.modelfiles import list_models
 
     rows = list_models(verify=args.verify)
     if args.json:

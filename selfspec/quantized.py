@@ -29,6 +29,7 @@ from torch import nn
 
 from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
+from selfspec.gguffile import gguf_tensors
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, matmul_panels, pack_weight
 
 NIBBLES, BYTES, SUPER_NIBBLES = 0, 1, 2  # kernel formats (kernels/packed_linear.cpp)
@@ -212,18 +213,30 @@ class QuantLinear(nn.Module):
 
     vnni = False  # the arrangement of each group's integers (see pack)
 
-    def __init__(self, linear: nn.Linear, decoded: Decoded, kernel, type_name: str):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        panels: torch.Tensor,
+        layout: tuple[int, int, str],
+        bias: torch.Tensor | None,
+        kernel,
+    ):
+        """``panels``: [out_features / 16, bytes per panel] uint8 as ``pack`` lays them out;
+        ``layout``: (kernel format, group size, the file's type name)."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel, self.format, self.group, self.type_name = (
-            kernel,
-            decoded.format,
-            decoded.group,
-            type_name,
-        )
-        self.register_buffer("quant_weight", pack(decoded, vnni=self.vnni))
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = kernel
+        self.format, self.group, self.type_name = layout
+        self.register_buffer("quant_weight", panels)
         self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_decoded(cls, decoded: Decoded, type_name: str, bias: torch.Tensor | None, kernel):
+        out_features, in_features = decoded.q.shape
+        panels = pack(decoded, vnni=cls.vnni)
+        layout = (decoded.format, decoded.group, type_name)
+        return cls(in_features, out_features, panels, layout, bias, kernel)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
@@ -295,108 +308,6 @@ _LAYER_LINEARS = {
 }
 
 
-@dataclass
-class GGUFTensor:
-    name: str
-    type_name: str
-    rows: int
-    columns: int
-    data: np.ndarray  # [rows, bytes per row] uint8, mapped from the file
-
-
-_SCALAR_BYTES = {
-    0: 1,
-    1: 1,
-    2: 2,
-    3: 2,
-    4: 4,
-    5: 4,
-    6: 4,
-    7: 1,
-    10: 8,
-    11: 8,
-    12: 8,
-}  # GGUF value types
-_STRING, _ARRAY = 8, 9
-
-
-def gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
-    """The tensors of a GGUF file, mapped, not read. (gguf's GGUFReader also parses every metadata
-    value, the 150k-token vocabulary included, which takes seconds; this skips them.)"""
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        pos = 4  # past the magic bytes
-
-        def take(fmt: str):
-            nonlocal pos
-            values = struct.unpack_from("<" + fmt, mapped, pos)
-            pos += struct.calcsize("<" + fmt)
-            return values if len(values) > 1 else values[0]
-
-        def string() -> str:
-            nonlocal pos
-            length = take("Q")
-            pos += length
-            return bytes(mapped[pos - length : pos]).decode("utf-8", "replace")
-
-        def skip_value(kind: int) -> None:
-            nonlocal pos
-            if kind == _STRING:
-                length = take("Q")  # (not `pos += take(...)`: take moves pos itself)
-                pos += length
-            elif kind == _ARRAY:
-                item_kind, count = take("IQ")
-                if item_kind in _SCALAR_BYTES:
-                    pos += _SCALAR_BYTES[item_kind] * count
-                else:
-                    for _ in range(count):
-                        skip_value(item_kind)
-            else:
-                pos += _SCALAR_BYTES[kind]
-
-        if bytes(mapped[:4]) != b"GGUF":
-            raise ValueError("no GGUF magic bytes")
-        _version, n_tensors, n_values = take("IQQ")
-        alignment = 32
-        for _ in range(n_values):
-            key, kind = string(), take("I")
-            if key == "general.alignment" and kind == 4:
-                alignment = take("I")
-            else:
-                skip_value(kind)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
-        start = -(-pos // alignment) * alignment
-        tensors = {}
-        for name, dims, kind, offset in infos:
-            block, block_bytes = GGML_QUANT_SIZES[kind]
-            row_bytes = dims[0] // block * block_bytes
-            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            begin = start + offset
-            if begin + rows * row_bytes > mapped.size:
-                raise ValueError(f"tensor {name} runs past the end of the file")
-            tensors[name] = GGUFTensor(
-                name,
-                kind.name,
-                rows,
-                dims[0],
-                mapped[begin : begin + rows * row_bytes].reshape(rows, row_bytes),
-            )
-        return tensors
-    except Exception as exc:  # struct, enum and numpy errors all mean a damaged file here
-        raise SelfSpecError(
-            f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
-            "Download it again, or use --speed packed."
-        ) from exc
-
-
 def _module(model: nn.Module, dotted: str) -> nn.Module:
     try:
         return model.get_submodule(dotted)
@@ -407,12 +318,10 @@ def _module(model: nn.Module, dotted: str) -> nn.Module:
         ) from exc
 
 
-def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool = False) -> int:
-    """Swap the decoder's and the head's nn.Linear modules for QuantLinear (``activations8``:
-    Q8Linear)
-    built from the file."""
+def linear_sources(model: nn.Module, tensors: dict, gguf_path: Path, kernel) -> list[tuple]:
+    """(module name, GGUF tensor name, tensor) of every linear layer of the decoder and the head
+    that the file's integers replace, each checked to be in the file with the module's shape."""
     adapter = adapter_for(model)
-    tensors = gguf_tensors(gguf_path)
     head_source = (
         "token_embd.weight"
         if getattr(model.config, "tie_word_embeddings", False)
@@ -424,7 +333,7 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool
         for short, module in _LAYER_LINEARS.items()
     ]
     targets.append((head_source if head_source in tensors else "token_embd.weight", "lm_head"))
-    swaps = []  # made once every layer is built and checked: a bad file leaves the model untouched
+    sources = []
     for gguf_name, module_name in targets:
         linear = _module(model, module_name)
         tensor = tensors.get(gguf_name)
@@ -441,21 +350,46 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool
                 f"{module_name} is [{linear.out_features}, {linear.in_features}]: this GGUF file "
                 "is not the model's. Use --speed packed."
             )
-        raw = tensor.data
-        rows = adapter.gguf_row_order(gguf_name, raw.shape[0])
-        if rows is not None:
-            raw = raw[rows]
-        decoded = decode(raw, tensor.type_name, linear.out_features)
+        sources.append((module_name, gguf_name, tensor))
+    return sources
+
+
+def decode_rows(model: nn.Module, tensor, first: int = 0, last: int | None = None) -> Decoded:
+    """Rows [first, last) of a linear layer's weight, in the model's row order, decoded from the
+    file (read, not mapped: see ``GGUFTensor.read_rows``)."""
+    last = tensor.rows if last is None else last
+    order = adapter_for(model).gguf_row_order(tensor.name, tensor.rows)
+    if order is None:
+        raw = tensor.read_rows(first, last)
+    else:  # rows come from all over the tensor
+        raw = tensor.read_rows(0, tensor.rows)[order[first:last]]
+    return decode(raw, tensor.type_name, last - first)
+
+
+def swap_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, child = dotted.rpartition(".")
+    setattr(_module(model, parent) if parent else model, child, module)
+
+
+def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool = False) -> int:
+    """Swap the decoder's and the head's nn.Linear modules of a float32 model for QuantLinear
+    (``activations8``: Q8Linear) built from the file, each checked against the float32 weights."""
+    swaps = []  # made once every layer is built and checked: a bad file leaves the model untouched
+    for module_name, gguf_name, tensor in linear_sources(
+        model, gguf_tensors(gguf_path), gguf_path, kernel
+    ):
+        linear = _module(model, module_name)
+        decoded = decode_rows(model, tensor)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
         if activations8:
             _check_decoded(decoded, linear.weight, gguf_name, gguf_path)
-            quant = Q8Linear(linear, decoded, kernel, tensor.type_name)
+            quant = Q8Linear.from_decoded(decoded, tensor.type_name, bias, kernel)
         else:
-            quant = QuantLinear(linear, decoded, kernel, tensor.type_name)
+            quant = QuantLinear.from_decoded(decoded, tensor.type_name, bias, kernel)
             _check_exact(quant, linear.weight, gguf_name, gguf_path)
         swaps.append((module_name, quant))
     for module_name, quant in swaps:
-        parent, _, child = module_name.rpartition(".")
-        setattr(_module(model, parent) if parent else model, child, quant)
+        swap_module(model, module_name, quant)
     return len(swaps)
 
 

@@ -196,12 +196,20 @@ def _fastest_cpu_mode(from_gguf: bool) -> str:
 
 
 def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:
+    """Lay ``model``'s weights out for ``mode``. A float32 model put into a quantized mode needs
+    the GGUF file it came from (``gguf_path``); one loaded by ``selfspec.quantload`` is quantized
+    already."""
     if mode in KERNEL_MODES and model.config._attn_implementation == "sdpa":
         use_row_attention(model)
     if mode in QUANTIZED_MODES:
-        from selfspec.quantized import quantize_model
+        from selfspec.quantized import QuantLinear, quantize_model
 
-        quantize_model(model, gguf_path, load_kernel(), activations8=mode == "gguf-q8")
+        if not any(isinstance(m, QuantLinear) for m in model.modules()):
+            if gguf_path is None:
+                raise SelfSpecError(
+                    f"speed mode {mode} reads the GGUF file the model came from; none was given."
+                )
+            quantize_model(model, gguf_path, load_kernel(), activations8=mode == "gguf-q8")
     if mode in KERNEL_MODES:
         # in gguf mode: what the file did not hold, and the rest gets its own memory
         pack_model(model)

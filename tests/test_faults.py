@@ -98,7 +98,7 @@ def test_saving_a_plan_into_a_read_only_folder_keeps_the_old_plan(old_plan):
 @pytest.mark.slow
 def test_two_processes_building_one_model_build_it_once(tmp_path):
     env = dict(os.environ, SELFSPEC_CACHE=str(tmp_path), SELFSPEC_NO_PROGRESS="1")
-    code = "from selfspec.models import ensure_bundled; print(ensure_bundled('smollm2-135m'))"
+    code = "from selfspec.modelfiles import ensure_bundled; print(ensure_bundled('smollm2-135m'))"
     workers = [
         subprocess.Popen(
             [sys.executable, "-c", code],

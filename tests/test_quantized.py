@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from test_engine import PROMPTS, plans_for
 
-from selfspec import quantized
+from selfspec import gguffile, quantized
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
 
@@ -134,10 +134,10 @@ def test_unsupported_quantization_type_is_a_clear_error():
 def test_tensor_index_agrees_with_gguf_reader(smollm2):
     from gguf import GGUFReader
 
-    from selfspec.models import gguf_source
+    from selfspec.modelfiles import gguf_source
 
     path = gguf_source("smollm2-135m", smollm2.loaded.path)
-    ours = quantized.gguf_tensors(path)
+    ours = gguffile.gguf_tensors(path)
     theirs = GGUFReader(str(path)).tensors
     assert len(ours) == len(theirs)
     for tensor in theirs:
@@ -150,7 +150,7 @@ def test_tensor_index_agrees_with_gguf_reader(smollm2):
 
 @pytest.mark.slow
 def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
-    from selfspec.models import cached_model_dir, gguf_source
+    from selfspec.modelfiles import cached_model_dir, gguf_source
 
     source = cached_model_dir("smollm2-135m") / "model.gguf"
     if not source.is_file():
@@ -158,7 +158,7 @@ def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
     with pytest.raises(SelfSpecError, match="cannot read .*cut.gguf as a GGUF file"):
-        quantized.gguf_tensors(cut)
+        gguffile.gguf_tensors(cut)
     # smollm2's file onto another llama: refused before anything is swapped
     model = tiny_llama.loaded.model
     before = [type(m) for m in model.modules()]

@@ -126,7 +126,7 @@ def test_text_completion_and_usage(server):
     assert reply.choices[0].text == expected
     from transformers import AutoTokenizer
 
-    from selfspec.models import ensure_bundled
+    from selfspec.modelfiles import ensure_bundled
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_bundled(MODEL))
     assert reply.usage.prompt_tokens == len(tokenizer("def fibonacci(n):")["input_ids"])

@@ -188,7 +188,7 @@ def _setup_dual_model(ctx: BenchContext) -> None:
 
 def gguf_path_for(model_name: str) -> Path | None:
     """The bundled model's .gguf, kept in its cache folder (fetched again if it predates that)."""
-    from selfspec.models import KNOWN_MODELS, ensure_bundled, gguf_source
+    from selfspec.modelfiles import KNOWN_MODELS, ensure_bundled, gguf_source
 
     if model_name not in KNOWN_MODELS:
         return None

@@ -26,7 +26,8 @@ from selfspec.bench.methods import (
 )
 from selfspec.bench.summary import summarize
 from selfspec.errors import SelfSpecError
-from selfspec.models import KNOWN_MODELS, LoadedModel
+from selfspec.modelfiles import KNOWN_MODELS
+from selfspec.models import LoadedModel
 from selfspec.prompts import Prompt
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from selfspec.decode import check_context
 from selfspec.errors import SelfSpecError
-from selfspec.models import KNOWN_MODELS
+from selfspec.modelfiles import KNOWN_MODELS
 from selfspec.paths import user_plan_path
 from selfspec.plan import SkipPlan, check_plan_matches, load_plan
 from selfspec.prompts import Prompt, load_prompts

@@ -1,0 +1,238 @@
+"""Load a GGUF model straight into the quantized layout of speed modes gguf and gguf-q8.
+
+No float32 copy of the model is made. The model is built on the meta device (accelerate's
+``init_empty_weights``: modules whose parameters have no memory); its linear layers become
+``QuantLinear`` / ``Q8Linear`` panels; its embedding reads the file's rows as tokens come
+(``QuantEmbedding``); the float32 tensors left (norms, biases) are read from the file through
+transformers' own GGUF name map and per-family fixes (the same ones its GGUF loading applies).
+
+The panels are built once per mode, a slice of rows at a time, into a cache entry inside the
+model's entry (``panels-<mode>-v<layout>``), and mapped from there on later starts: the pages are
+read from the page cache as the first pass touches them, so a start costs no repacking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from selfspec.errors import SelfSpecError
+from selfspec.fetch import progress_bar
+from selfspec.gguffile import GGUFFile, GGUFTensor, read_gguf
+from selfspec.kernels import PANEL, load_kernel
+from selfspec.modelcache import MARKER_FILE, build_lock, entry_ready, publish, seal, staging
+from selfspec.paths import cache_dir
+from selfspec.quantized import (
+    Q8Linear,
+    QuantLinear,
+    decode,
+    decode_rows,
+    linear_sources,
+    pack,
+    swap_module,
+)
+
+PANELS_FILE = "panels.bin"
+INDEX_FILE = "panels.json"
+LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
+_ALIGN = 4096  # each layer's panels start on a page: the kernel's loads stay aligned
+_CHUNK_ROWS = 4096  # rows decoded and packed at a time while building (a multiple of PANEL)
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding, read from the GGUF file's quantized rows as tokens come.
+
+    Each row is the float32 value the file dequantizes to, which is exactly the float32 model's
+    embedding; only the rows of tokens seen are read, and nothing is held in memory of its own."""
+
+    def __init__(self, tensor: GGUFTensor, embed_scale: torch.Tensor | None = None):
+        super().__init__()
+        self.tensor = tensor
+        self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
+        self.register_buffer("embed_scale", embed_scale, persistent=False)  # gemma scales rows
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The unscaled rows of ``ids`` (any shape) as float32 [n, embedding_dim]."""
+        flat = ids.reshape(-1).cpu().numpy()
+        decoded = decode(self.tensor.data[flat], self.tensor.type_name, len(flat))
+        return torch.from_numpy(np.ascontiguousarray(decoded.weights(0, len(flat)), np.float32))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.rows(ids).view(*ids.shape, self.embedding_dim).to(ids.device)
+        return out * self.embed_scale.to(out.dtype) if self.embed_scale is not None else out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.tensor.type_name} in file"
+
+
+def load_quantized(folder: str | Path, gguf_path: Path, mode: str) -> nn.Module:
+    """The model whose config is in ``folder`` with ``gguf_path``'s weights in speed mode
+    ``mode`` ("gguf" or "gguf-q8") layout, on the CPU, in eval mode."""
+    kernel = load_kernel()
+    model = _skeleton(folder)
+    gguf = read_gguf(gguf_path)
+    sources = linear_sources(model, gguf.tensors, gguf_path, kernel)
+    _fill_float_tensors(model, gguf, skip={name for _, name, _ in sources} | {"token_embd.weight"})
+    cls = Q8Linear if mode == "gguf-q8" else QuantLinear
+    panels = _panels(Path(folder), mode, model, sources, cls)
+    for module_name, _, _ in sources:
+        linear = model.get_submodule(module_name)
+        data, layout = panels[module_name]
+        bias = linear.bias.detach() if linear.bias is not None else None
+        quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel)
+        swap_module(model, module_name, quant)
+    _swap_embedding(model, gguf)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise SelfSpecError(
+            f"{gguf_path.name} holds no weights for {', '.join(left[:3])} of the model; speed "
+            f"mode {mode} cannot load it from this file. Use --speed packed."
+        )
+    return model.eval()
+
+
+def _skeleton(folder: str | Path) -> nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights():  # parameters on the meta device; buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    if (Path(folder) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model
+
+
+def _fill_float_tensors(model: nn.Module, gguf: GGUFFile, skip: set[str]) -> None:
+    """Give every parameter the file holds (except ``skip``'s) its float32 value, as transformers'
+    GGUF loading would: llama.cpp's tensor names, and transformers' per-family fixes (gemma's
+    norms, llama's q/k rows)."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(
+        config=model.config.to_dict()
+    )
+    params = dict(model.named_parameters())
+    name_map = _gguf_names(model, gguf.architecture, params)
+    for name, tensor in gguf.tensors.items():
+        if name in skip:
+            continue
+        weights = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+        result = processor.process(
+            weights=weights, name=name, tensor_key_mapping=name_map, parsed_parameters={}
+        )
+        param = params.get(name_map.get(result.name, ""))
+        if param is None:  # held by the file, not used by the model (as transformers skips it)
+            continue
+        value = np.array(result.weights, dtype=np.float32).reshape(param.shape)
+        module_name, _, leaf = name_map[result.name].rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = nn.Parameter(torch.from_numpy(value), requires_grad=False)
+
+
+def _gguf_names(model: nn.Module, architecture: str | None, params: dict) -> dict[str, str]:
+    """{GGUF tensor name: parameter name}, from gguf's own table of each family's names (what
+    transformers' get_gguf_hf_weights_map does, without rebuilding the table per submodule)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((k for k, v in MODEL_ARCH_NAMES.items() if v == architecture), None)
+    if arch is None:
+        raise SelfSpecError(
+            f"gguf does not know the architecture '{architecture}' of this file; speed modes gguf "
+            "and gguf-q8 cannot load it. Use --speed packed."
+        )
+    table = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    names = {}
+    for hf_name in params:
+        module_name, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(module_name)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def _swap_embedding(model: nn.Module, gguf: GGUFFile) -> None:
+    old = model.get_input_embeddings()
+    tensor = gguf.tensors.get("token_embd.weight")
+    if tensor is None or (tensor.rows, tensor.columns) != tuple(old.weight.shape):
+        raise SelfSpecError(
+            "the GGUF file has no token_embd.weight of the model's shape; use --speed packed."
+        )
+    model.set_input_embeddings(QuantEmbedding(tensor, getattr(old, "embed_scale", None)))
+
+
+def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> dict:
+    """{module name: (panels, layout)}: mapped from the model's panel entry, built first if it is
+    not there. Models outside selfspec's cache get theirs built into a temporary folder."""
+    entry = folder / f"panels-{mode}-v{LAYOUT_VERSION}"
+    in_cache = folder.resolve().is_relative_to(cache_dir().resolve())
+    label = f"{mode} panels of {folder.name}"
+    if in_cache and entry_ready(entry, label):
+        return _map_panels(entry)
+    if not in_cache:
+        work = Path(tempfile.mkdtemp(prefix="selfspec-panels-"))
+        _build_panels(model, sources, cls, work)
+        panels = _map_panels(work)  # the mapping outlives the files
+        for path in work.iterdir():
+            path.unlink()
+        work.rmdir()
+        return panels
+    with build_lock(f"{folder.name}-{entry.name}"):
+        if not entry_ready(entry, label):
+            with staging(folder.name) as work:
+                out = work / "panels"
+                out.mkdir()
+                _build_panels(model, sources, cls, out)
+                (out / MARKER_FILE).write_text(json.dumps({"layout": LAYOUT_VERSION}))
+                seal(out)
+                with contextlib.suppress(OSError):  # a read-only cache: mapped from staging
+                    publish(out, entry)
+                if not entry.is_dir():
+                    return _map_panels(out)
+    return _map_panels(entry)
+
+
+def _build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:
+    """Decode and pack every layer, a slice of rows at a time, appending to one file: memory
+    holds one slice, not the model."""
+    index = {}
+    bar = progress_bar(len(sources), "laying out quantized weights", unit="layer")
+    with open(out / PANELS_FILE, "wb") as fh:
+        for module_name, _, tensor in sources:
+            fh.write(b"\0" * (-fh.tell() % _ALIGN))
+            offset = fh.tell()
+            for first in range(0, tensor.rows, _CHUNK_ROWS):
+                decoded = decode_rows(model, tensor, first, min(tensor.rows, first + _CHUNK_ROWS))
+                pack(decoded, vnni=cls.vnni).numpy().tofile(fh)
+            layout = [decoded.format, decoded.group, tensor.type_name]
+            index[module_name] = {
+                "offset": offset,
+                "bytes": fh.tell() - offset,
+                "panels": tensor.rows // PANEL,
+                "layout": layout,
+            }
+            bar.update(1)
+    bar.close()
+    (out / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _map_panels(entry: Path) -> dict:
+    index = json.loads((entry / INDEX_FILE).read_text())
+    path = entry / PANELS_FILE
+    storage = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+    return {
+        name: (
+            storage[r["offset"] : r["offset"] + r["bytes"]].view(r["panels"], -1),
+            tuple(r["layout"]),
+        )
+        for name, r in index.items()
+    }
