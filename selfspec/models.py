@@ -14,9 +14,11 @@ from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_wanted
 from selfspec.modelfiles import (
     DEFAULT_MODEL,
+    KNOWN_MODELS,
     float32_dir,
     gguf_source,
     has_gguf_source,
+    is_cached,
     resolve_model_dir,
 )
 from selfspec.paths import cache_dir
@@ -81,6 +83,9 @@ def load_model(
         raise SelfSpecError(
             "--device cuda was asked for, but torch sees no CUDA device. Use --device cpu."
         )
+    first_run = name_or_path in KNOWN_MODELS and not is_cached(name_or_path)
+    if first_run and str(device) == "cpu" and speed != "torch":
+        _compile_kernel_meanwhile()  # a first run: the download and the compiler overlap
     folder = resolve_model_dir(name_or_path)
     dtype = dtype or default_dtype(device)
     speed = resolve_speed_mode(
@@ -107,6 +112,17 @@ def load_model(
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
     )
+
+
+def _compile_kernel_meanwhile() -> None:
+    """Build the CPU kernel in a thread (the compiler runs as its own processes) while the model is
+    fetched; whoever asks for the kernel next waits for this build. A build that fails says why
+    when the kernel is asked for."""
+    import threading
+
+    from selfspec.kernels import kernel_available
+
+    threading.Thread(target=kernel_available, name="selfspec-kernel-build", daemon=True).start()
 
 
 def _load_split(name: str, folder: str, dtype, speed: str, max_memory: dict) -> LoadedModel:
