@@ -42,6 +42,8 @@ def progress_wanted() -> bool:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        # transformers' GGUF conversion uses tqdm directly, which reads its defaults from here
+        os.environ["TQDM_DISABLE"] = "1"
         return False
     return True
 

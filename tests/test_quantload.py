@@ -47,6 +47,23 @@ def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
     assert torch.equal(embedding(every_id), smollm2.loaded.model.get_input_embeddings().weight)
 
 
+def test_gemma3_direct_load_equals_the_float32_model_put_into_the_mode():
+    """gemma3: its GGUF norms are stored plus one (transformers' fix applies), its embedding is
+    scaled, its attention alternates sliding and full by layer."""
+    name = "gemma3-270m"
+    direct = load_model(name, speed="gguf")
+    converted = load_model(name, speed="torch")
+    reference = {n: p.clone() for n, p in converted.model.named_parameters()}
+    apply_speed_mode(converted.model, "gguf", gguf_source(name, converted.path))
+    tokenizer = direct.tokenizer
+    assert torch.equal(_logits(direct.model, tokenizer), _logits(converted.model, tokenizer))
+    for param_name, value in direct.model.named_parameters():
+        assert torch.equal(value, reference[param_name]), param_name
+    ids = torch.arange(0, direct.model.get_input_embeddings().num_embeddings, 997)
+    expected = converted.model.get_input_embeddings()(ids)
+    assert torch.equal(direct.model.get_input_embeddings()(ids), expected)
+
+
 def test_qwen_biases_norms_and_embedding_equal_the_float32_models(qwen05, qwen05_gguf_direct):
     """qwen2: q/k/v biases, a Q8_0 embedding; every row of the 151936-token vocabulary."""
     model = qwen05_gguf_direct.model
