@@ -346,15 +346,16 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
 template <int FORMAT, int G>
 void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                        int64_t N, const float* bias) {
-  constexpr int kRows = 3;
+  constexpr int kRows = 4;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
   const float* sums = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == kRows ? &q8tile_avx2<FORMAT, G, kRows>
-                 : rows == 2   ? &q8tile_avx2<FORMAT, G, 2>
-                               : &q8tile_avx2<FORMAT, G, 1>;
+    auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
+                 : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
+                 : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
+                             : &q8tile_avx2<FORMAT, G, 1>;
     tile(quads + m0, d_t + m0, sums + m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
