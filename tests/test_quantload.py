@@ -10,9 +10,14 @@ import torch
 
 from selfspec import modelcache, quantized, quantload
 from selfspec.kernels import kernel_available
-from selfspec.modelfiles import FLOAT32_FOLDER, ensure_local_gguf, gguf_source, has_weights
+from selfspec.modelfiles import (
+    FLOAT32_FOLDER,
+    ensure_bundled,
+    ensure_local_gguf,
+    gguf_source,
+    has_weights,
+)
 from selfspec.models import load_model
-from selfspec.paths import cached_model_dir
 from selfspec.speed import apply_speed_mode
 
 pytestmark = [
@@ -94,7 +99,7 @@ def local_cache(tmp_path, monkeypatch):
     """A fresh cache holding smollm2 as a local .gguf describes it: its config and tokenizer, no
     weights of its own (no download)."""
     gguf = tmp_path / "smollm2.gguf"
-    shutil.copy(gguf_source("smollm2-135m", cached_model_dir("smollm2-135m")), gguf)
+    shutil.copy(gguf_source("smollm2-135m", ensure_bundled("smollm2-135m")), gguf)
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     return gguf, ensure_local_gguf(gguf)
 
