@@ -85,7 +85,9 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
         _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)
         alone = [_one(client, model, p, tokens) for p in prompts]
+        before = _server_counters(port)
         together, seconds = _together(client, model, prompts, tokens)
+        after = _server_counters(port)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -104,6 +106,21 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         "per_stream_vs_alone_min": round(min(per_stream), 3),
         "per_stream_vs_alone_median": round(statistics.median(per_stream), 3),
         "answers_identical_to_solo": identical,
+        # where the together phase's time went, from the server's own counters
+        "together_seconds": round(seconds, 3),
+        "together_engine_busy_seconds": round(after["busy"] - before["busy"], 3),
+        "together_passes": int(after["passes"] - before["passes"]),
+    }
+
+
+def _server_counters(port: int) -> dict:
+    """The engine's busy seconds and full-model passes so far, read from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values = dict(line.split() for line in text.splitlines() if line.startswith("selfspec_"))
+    return {
+        "busy": float(values["selfspec_engine_busy_seconds_total"]),
+        "passes": float(values["selfspec_target_passes_total"]),
     }
 
 
