@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
@@ -166,6 +167,27 @@ def entry_ready(folder: Path, label: str) -> bool:
     )
     (folder / MARKER_FILE).unlink(missing_ok=True)  # now an unfinished entry: replaced
     return False
+
+
+def build_entry(
+    final: Path, label: str, build: Callable[[Path], None], lock: str | None = None
+) -> Path:
+    """``final`` as a whole entry: as it is when whole (a damaged one is said and rebuilt), else
+    built by ``build(folder)`` (which writes the marker) in a staging folder, sealed and
+    published, under the lock ``lock`` (default: ``final``'s name) so that concurrent callers
+    build it once."""
+    if entry_ready(final, label):
+        return final
+    with build_lock(lock or final.name):
+        if entry_ready(final, label):  # built by the process this one waited for
+            return final
+        with staging(final.name) as work:
+            out = work / "entry"
+            out.mkdir()
+            build(out)
+            seal(out)
+            publish(out, final)
+    return final
 
 
 def has_checksums(folder: Path) -> bool:

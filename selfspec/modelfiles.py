@@ -31,12 +31,10 @@ from selfspec.fetch import (
 )
 from selfspec.modelcache import (
     MARKER_FILE,
+    build_entry,
     build_lock,
     entry_damage,
-    entry_ready,
     has_checksums,
-    publish,
-    seal,
     staging,
 )
 from selfspec.paths import cache_dir, cached_model_dir
@@ -212,21 +210,12 @@ def ensure_bundled(name: str) -> Path:
     spec = KNOWN_MODELS.get(name)
     if spec is None:
         raise unknown_model_error(name)
-    final_dir = cached_model_dir(name)
-    if entry_ready(final_dir, name):
-        return final_dir
-    with build_lock(name):
-        if entry_ready(final_dir, name):  # built by the process this one waited for
-            return final_dir
-        with staging(name) as work:
-            out_dir = work / "model"
-            out_dir.mkdir()
-            gguf_path = fetch_gguf(spec, out_dir)
-            os.rename(gguf_path, out_dir / GGUF_FILE)
-            _describe_gguf(out_dir / GGUF_FILE, out_dir, source=f"{name} sha256:{spec.sha256}")
-            seal(out_dir)
-            publish(out_dir, final_dir)
-    return final_dir
+
+    def build(out: Path) -> None:
+        os.rename(fetch_gguf(spec, out), out / GGUF_FILE)
+        _describe_gguf(out / GGUF_FILE, out, source=f"{name} sha256:{spec.sha256}")
+
+    return build_entry(cached_model_dir(name), name, build)
 
 
 def has_gguf_source(name_or_path: str, folder: str | Path) -> bool:
@@ -264,17 +253,13 @@ def ensure_local_gguf(path: Path) -> Path:
     hash; its weights stay in the user's file."""
     check_gguf(path)
     digest = sha256_file(path)
-    final_dir = cache_dir() / "models" / f"gguf-{digest[:16]}"
-    if (final_dir / MARKER_FILE).is_file():
-        return final_dir
-    with build_lock(final_dir.name), staging("gguf") as work:
-        if (final_dir / MARKER_FILE).is_file():
-            return final_dir
-        link = work / path.name
+
+    def build(out: Path) -> None:
+        link = out.parent / path.name  # beside the entry, not in it
         os.symlink(path.resolve(), link)
-        _describe_gguf(link, work / "model", source=f"{path} sha256:{digest}")
-        publish(work / "model", final_dir)
-    return final_dir
+        _describe_gguf(link, out, source=f"{path} sha256:{digest}")
+
+    return build_entry(cache_dir() / "models" / f"gguf-{digest[:16]}", path.name, build)
 
 
 def has_weights(folder: str | Path) -> bool:
@@ -288,23 +273,18 @@ def float32_dir(name_or_path: str, folder: str | Path) -> str:
     if not Path(folder).is_dir() or has_weights(folder):
         return str(folder)
     gguf_path = gguf_source(name_or_path, folder)
-    final_dir = Path(folder) / FLOAT32_FOLDER
-    label = f"{Path(folder).name} (float32)"
-    if entry_ready(final_dir, label):
-        return str(final_dir)
     spec = KNOWN_MODELS.get(name_or_path)
-    with build_lock(f"{Path(folder).name}-float32"):
-        if entry_ready(final_dir, label):
-            return str(final_dir)
-        with staging(Path(folder).name) as work:
-            if spec is not None:
-                check_disk(work, spec.float32_bytes, f"the float32 conversion of {spec.name}")
-            link = work / gguf_path.name
-            os.symlink(gguf_path.resolve(), link)
-            _convert_gguf(link, work / "model", source=f"{gguf_path} float32")
-            seal(work / "model")
-            publish(work / "model", final_dir)
-    return str(final_dir)
+
+    def build(out: Path) -> None:
+        if spec is not None:
+            check_disk(out, spec.float32_bytes, f"the float32 conversion of {spec.name}")
+        link = out.parent / gguf_path.name  # beside the entry, not in it
+        os.symlink(gguf_path.resolve(), link)
+        _convert_gguf(link, out, source=f"{gguf_path} float32")
+
+    name = Path(folder).name
+    final = Path(folder) / FLOAT32_FOLDER
+    return str(build_entry(final, f"{name} (float32)", build, lock=f"{name}-float32"))
 
 
 def resolve_model_dir(name_or_path: str) -> str:

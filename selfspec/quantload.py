@@ -26,7 +26,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.gguffile import GGUFFile, GGUFTensor, read_gguf
 from selfspec.kernels import PANEL, load_kernel
-from selfspec.modelcache import MARKER_FILE, build_lock, entry_ready, publish, seal, staging
+from selfspec.modelcache import MARKER_FILE, build_entry
 from selfspec.paths import cache_dir
 from selfspec.quantized import (
     Q8Linear,
@@ -172,33 +172,21 @@ def _swap_embedding(model: nn.Module, gguf: GGUFFile) -> None:
 
 def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> dict:
     """{module name: (panels, layout)}: mapped from the model's panel entry, built first if it is
-    not there. Models outside selfspec's cache get theirs built into a temporary folder."""
-    entry = folder / f"panels-{mode}-v{LAYOUT_VERSION}"
-    in_cache = folder.resolve().is_relative_to(cache_dir().resolve())
-    label = f"{mode} panels of {folder.name}"
-    if in_cache and entry_ready(entry, label):
-        return _map_panels(entry)
-    if not in_cache:
-        work = Path(tempfile.mkdtemp(prefix="selfspec-panels-"))
-        _build_panels(model, sources, cls, work)
-        panels = _map_panels(work)  # the mapping outlives the files
-        for path in work.iterdir():
-            path.unlink()
-        work.rmdir()
-        return panels
-    with build_lock(f"{folder.name}-{entry.name}"):
-        if not entry_ready(entry, label):
-            with staging(folder.name) as work:
-                out = work / "panels"
-                out.mkdir()
-                _build_panels(model, sources, cls, out)
-                (out / MARKER_FILE).write_text(json.dumps({"layout": LAYOUT_VERSION}))
-                seal(out)
-                with contextlib.suppress(OSError):  # a read-only cache: mapped from staging
-                    publish(out, entry)
-                if not entry.is_dir():
-                    return _map_panels(out)
-    return _map_panels(entry)
+    not there. A model outside selfspec's cache, or in a cache this process cannot write, gets
+    its panels built into a temporary folder instead (kept only while mapped)."""
+
+    def build(out: Path) -> None:
+        _build_panels(model, sources, cls, out)
+        (out / MARKER_FILE).write_text(json.dumps({"layout": LAYOUT_VERSION}))
+
+    if folder.resolve().is_relative_to(cache_dir().resolve()):
+        entry = folder / f"panels-{mode}-v{LAYOUT_VERSION}"
+        label = f"{mode} panels of {folder.name}"
+        with contextlib.suppress(OSError):  # read-only: the lock, staging or publishing failed
+            return _map_panels(build_entry(entry, label, build, lock=f"{folder.name}-{entry.name}"))
+    with tempfile.TemporaryDirectory(prefix="selfspec-panels-") as work:
+        _build_panels(model, sources, cls, Path(work))
+        return _map_panels(Path(work))  # the mapping outlives the files
 
 
 def _build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:

@@ -117,3 +117,46 @@ def test_two_processes_building_one_model_build_it_once(tmp_path):
     assert len(waited) == 1  # one built it, the other waited for it
     assert modelcache.entry_damage(entry, full=True) is None
     assert list((tmp_path / "staging").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_read_only_cache_still_loads_a_quantized_mode(tmp_path):
+    """The cache holds the model's entry but this process may not write there: the panels of
+    speed mode gguf are built for this process only, and the answer is the one a writable cache
+    gives."""
+    import shutil
+
+    from selfspec.modelfiles import ensure_bundled, gguf_source
+    from selfspec.paths import kernel_build_root
+
+    gguf = tmp_path / "smollm2.gguf"
+    shutil.copy(gguf_source("smollm2-135m", ensure_bundled("smollm2-135m")), gguf)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(kernel_build_root())  # compiled already, and writable
+    env = dict(os.environ, SELFSPEC_CACHE=str(cache), SELFSPEC_NO_PROGRESS="1")
+    describe = "import sys, pathlib; from selfspec.modelfiles import ensure_local_gguf; "
+    describe += "ensure_local_gguf(pathlib.Path(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", describe, str(gguf)], env=env, check=True, timeout=600)
+    generate = [sys.executable, "-m", "selfspec.cli", "generate", "def add(a, b):"]
+    generate += ["--model", str(gguf), "--speed", "gguf", "--max-new-tokens", "12"]
+    folders = [cache, *(p for p in cache.rglob("*") if p.is_dir() and not p.is_symlink())]
+    for folder in folders:
+        folder.chmod(0o555)
+    try:
+        drop = _without_root_override if os.geteuid() == 0 else None
+        read_only = subprocess.run(
+            generate, env=env, capture_output=True, text=True, timeout=600, preexec_fn=drop
+        )
+    except subprocess.SubprocessError as exc:
+        pytest.skip(f"cannot drop root's override capabilities here: {exc}")
+    finally:
+        for folder in folders:
+            folder.chmod(0o755)
+    assert read_only.returncode == 0, read_only.stderr
+    assert "Traceback" not in read_only.stderr
+    assert not list(cache.glob("models/*/panels-*"))  # nothing was written
+    writable = subprocess.run(generate, env=env, capture_output=True, text=True, timeout=600)
+    assert writable.returncode == 0, writable.stderr
+    assert list(cache.glob("models/*/panels-gguf-v*"))
+    assert read_only.stdout == writable.stdout and read_only.stdout.strip()
