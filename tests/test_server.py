@@ -19,6 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 QUEUE = 2
+BATCH = 2
 ENV = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
 
 
@@ -33,7 +34,7 @@ def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", MODEL]
-    command += ["--port", str(port), "--queue-size", str(QUEUE)]
+    command += ["--port", str(port), "--queue-size", str(QUEUE), "--max-batch", str(BATCH)]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=ENV)
     base = f"http://127.0.0.1:{port}"
@@ -219,22 +220,35 @@ def test_bad_requests_get_an_openai_error(server, name, body, status, message):
     assert message in reply["error"]["message"], reply
 
 
-def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
-    before = _metrics(server)
-    long = {
+def _open_stream(server, tokens: int = 2000):
+    body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Tell a long story."}],
-        "max_tokens": 2000,
+        "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
     }
     request = urllib.request.Request(
         server["base"] + "/v1/chat/completions",
-        data=json.dumps(long).encode(),
+        data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     stream = urllib.request.urlopen(request, timeout=60)
-    assert stream.readline().startswith(b"data: ")  # it runs
+    assert stream.readline().startswith(b"data: ")
+    return stream
+
+
+def _wait_for(server, gauge: str, value: int) -> None:
+    deadline = time.monotonic() + 60
+    while _metrics(server)[gauge] < value:
+        assert time.monotonic() < deadline, f"{gauge} never reached {value}: {_metrics(server)}"
+        time.sleep(0.1)
+
+
+def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
+    before = _metrics(server)
+    streams = [_open_stream(server) for _ in range(BATCH)]
+    _wait_for(server, "requests_running", BATCH)  # the batch is full: the next ones wait
     short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     waiting = [
         threading.Thread(target=_post, args=(server, "/v1/chat/completions", short))
@@ -242,24 +256,29 @@ def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
     ]
     for t in waiting:
         t.start()
-    deadline = time.monotonic() + 30
-    while _metrics(server)["queue_depth"] < QUEUE and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for(server, "queue_depth", QUEUE)
     code, reply = _post(server, "/v1/chat/completions", short)
     assert code == 503 and reply["error"]["code"] == "server_busy"
-    stream.close()  # the client goes away mid-stream
+    for stream in streams:
+        stream.close()  # the clients go away mid-stream
     for t in waiting:
         t.join(timeout=60)
-        assert not t.is_alive(), "a waiting request never ran after the slot was freed"
+        assert not t.is_alive(), "a waiting request never ran after the slots were freed"
     after = _metrics(server)
-    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + 1
+    assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + BATCH
     assert after["requests_rejected_total"] == before["requests_rejected_total"] + 1
     assert after["requests_total"] == before["requests_total"] + QUEUE
     assert after["requests_running"] == 0 and after["queue_depth"] == 0
 
 
 def test_sigterm_shuts_down_cleanly(server):
+    """A stream still open when SIGTERM comes gets an error event and its end at once (before,
+    it held the shutdown until uvicorn cut it off with a traceback); the server exits 0."""
+    stream = _open_stream(server)
+    _wait_for(server, "requests_running", 1)
     process = server["process"]
     process.send_signal(signal.SIGTERM)
+    rest = stream.read().decode()
+    assert "the server is shutting down" in rest and rest.endswith("data: [DONE]\n\n"), rest
     assert process.wait(timeout=60) == 0, server["log"].read_text()
     assert "Traceback" not in server["log"].read_text()

@@ -5,8 +5,8 @@
 then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs
 with the default drafter (context n-gram and layer-skip drafts, chosen each round); concurrent
 requests share passes, one token of each per pass (selfspec.batch). Requests wait in a bounded
-queue and a full queue answers 503. SIGTERM or Ctrl-C stops accepting, cancels what waits and
-shuts down.
+queue and a full queue answers 503. At most --max-batch requests are generated at once. SIGTERM or
+Ctrl-C stops accepting, ends what runs and what waits with an error event, and shuts down.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from selfspec.cliargs import add_model_arguments, check_at_least, load_engine, r
 DESCRIPTION = __doc__
 DEFAULT_PORT = 8000
 DEFAULT_QUEUE = 16
+DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 1024
 
 
@@ -41,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests that may wait; more get 503 (default {DEFAULT_QUEUE})",
     )
     parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"requests generated at once, sharing passes; the rest wait (default "
+        f"{DEFAULT_MAX_BATCH})",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=DEFAULT_MAX_TOKENS,
@@ -55,12 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.server.scheduler import Scheduler
 
     check_at_least("--queue-size", args.queue_size, 1)
+    check_at_least("--max-batch", args.max_batch, 1)
     check_at_least("--max-tokens", args.max_tokens, 1)
     check_at_least("--port", args.port, 0)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
-    scheduler = Scheduler(engine, drafter, args.queue_size)
+    scheduler = Scheduler(engine, drafter, args.queue_size, args.max_batch)
     service = Service(engine, scheduler, args.served_name or args.model, args.max_tokens)
     app = create_app(service)
     app.router.on_shutdown.append(scheduler.stop)
@@ -73,16 +82,34 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for the
     # handler it found: ours ends the command with status 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, _terminated)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+    )
     try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
-        )
+        _server_class(uvicorn)(config, scheduler).run()
     except _Terminated:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
     print("[selfspec] server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _server_class(uvicorn):
+    """uvicorn's server, ending the running requests' streams as soon as a stop signal comes:
+    otherwise an open stream keeps the graceful shutdown waiting until it is cut off.
+    (Defined on demand: `selfspec --help` should not import uvicorn.)"""
+
+    class Server(uvicorn.Server):
+        def __init__(self, config, scheduler):
+            super().__init__(config)
+            self.scheduler = scheduler
+
+        def handle_exit(self, sig, frame) -> None:
+            self.scheduler.cancel_all()
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 class _Terminated(Exception):

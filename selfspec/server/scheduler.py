@@ -132,13 +132,18 @@ class Scheduler:
     A job alone runs speculatively with the drafter. When others arrive it is paused after its
     current round and goes on with them in a batch: one pass per step serves one token of every
     active job (``selfspec.batch``), jobs joining and leaving between passes. Where the runner
-    cannot batch (speed mode torch, sliding-window attention) jobs run one after another."""
+    cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
+    At most ``max_batch`` jobs run at once; the others wait in the queue."""
 
-    def __init__(self, engine: Engine, drafter: Drafter | None, queue_size: int):
+    def __init__(
+        self, engine: Engine, drafter: Drafter | None, queue_size: int, max_batch: int = 8
+    ):
         self.engine, self.drafter = engine, drafter
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.max_batch = max_batch
         self.metrics = Metrics()
         self.batch: list[_Running] = []
+        self.solo: Job | None = None
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._work, name="selfspec-engine", daemon=True)
@@ -160,19 +165,27 @@ class Scheduler:
             ) from None
         self._gauges()
 
-    def stop(self) -> None:
-        """Cancel what runs and what waits; end the worker."""
+    def cancel_all(self) -> None:
+        """Stop taking jobs; end what runs and what waits with an error event (their streams
+        close at once instead of holding the server's shutdown). Safe to call twice."""
+        if self.stopping.is_set():
+            return
         self.stopping.set()
-        for running in list(self.batch):
-            running.job.cancelled.set()
+        running = [r.job for r in list(self.batch)] + ([self.solo] if self.solo else [])
         while True:
             try:
-                job = self.jobs.get_nowait()
+                waiting = self.jobs.get_nowait()
             except queue.Empty:
                 break
+            running += [waiting] if waiting is not None else []
+        for job in running:
             job.cancelled.set()
             job.on_event("error", "the server is shutting down")
-        self.jobs.put(None)
+        self.jobs.put_nowait(None)
+
+    def stop(self) -> None:
+        """Cancel what runs and what waits; end the worker."""
+        self.cancel_all()
         self.thread.join(timeout=30)
 
     # -- the worker thread ------------------------------------------------------------------
@@ -193,14 +206,19 @@ class Scheduler:
             self._gauges()
 
     def _take(self, wait: bool) -> list[Job] | None:
-        """Every queued job (waiting for one when ``wait``); None once stopped."""
+        """Queued jobs, as many as the batch has room for (waiting for one when ``wait``); None
+        once stopped."""
         taken = [self.jobs.get()] if wait else []
-        while True:
+        while len(taken) < self.max_batch - len(self.batch):
             try:
                 taken.append(self.jobs.get_nowait())
             except queue.Empty:
                 break
         if None in taken or self.stopping.is_set():
+            for job in taken:
+                if job is not None and not job.cancelled.is_set():
+                    job.cancelled.set()
+                    job.on_event("error", "the server is shutting down")
             return None
         live = [job for job in taken if not job.cancelled.is_set()]
         self._count(cancelled=len(taken) - len(live))
@@ -223,13 +241,14 @@ class Scheduler:
 
         runner, trimmer = self.engine.runner, StopTrimmer(job.config.stop_strings)
         stream = self._emitter(job, trimmer)
-        batching = runner.can_batch
+        batching = runner.can_batch and self.max_batch > 1
 
         def pause() -> bool:
             return job.cancelled.is_set() or (batching and not self.jobs.empty())
 
         with self.lock:
             self.metrics.active = 1
+        self.solo = job
         try:
             generated, stats = generate_ids(
                 runner,
@@ -243,6 +262,8 @@ class Scheduler:
         except Exception as exc:  # the request fails, the server goes on
             self._fail(job, exc)
             return
+        finally:
+            self.solo = None
         if job.cancelled.is_set():
             self._count(cancelled=1)
         elif stats.stop_reason != "paused":
