@@ -151,6 +151,7 @@ def test_concurrent_clients_get_their_solo_answers(server):
     client = _client(server)
     prompts = ["Name three colours.", "What is 2 + 2?", "Say hello in French."]
     solo = {p: _chat(client, p, 24).choices[0].message.content for p in prompts}
+    before = _metrics(server)
     together: dict = {}
 
     def ask(prompt):
@@ -165,6 +166,9 @@ def test_concurrent_clients_get_their_solo_answers(server):
         p: a if isinstance(a, str) else a.choices[0].message.content for p, a in together.items()
     }
     assert answers == solo
+    spent = {name: value - before[name] for name, value in _metrics(server).items()}
+    assert spent["prefill_seconds_total"] > 0
+    assert spent["batch_rows_total"] <= BATCH * spent["batch_steps_total"]  # --max-batch holds
 
 
 BAD_REQUESTS = [

@@ -84,6 +84,7 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
         _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)
+        start = _server_counters(port)
         alone = [_one(client, model, p, tokens) for p in prompts]
         before = _server_counters(port)
         together, seconds = _together(client, model, prompts, tokens)
@@ -108,20 +109,36 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         "answers_identical_to_solo": identical,
         # where the together phase's time went, from the server's own counters
         "together_seconds": round(seconds, 3),
-        "together_engine_busy_seconds": round(after["busy"] - before["busy"], 3),
-        "together_passes": int(after["passes"] - before["passes"]),
+        **_engine_split(start, before, "alone"),
+        **_engine_split(before, after, "together"),
     }
 
 
-def _server_counters(port: int) -> dict:
-    """The engine's busy seconds and full-model passes so far, read from /metrics."""
+def _server_counters(port: int) -> dict[str, float]:
+    """The server's counters so far, read from /metrics (names without the selfspec_ prefix)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    values = dict(line.split() for line in text.splitlines() if line.startswith("selfspec_"))
-    return {
-        "busy": float(values["selfspec_engine_busy_seconds_total"]),
-        "passes": float(values["selfspec_target_passes_total"]),
+    rows = [line.split() for line in text.splitlines() if line.startswith("selfspec_")]
+    return {name.removeprefix("selfspec_"): float(value) for name, value in rows}
+
+
+def _engine_split(before: dict[str, float], after: dict[str, float], phase: str) -> dict:
+    """Where a phase's engine time went: prefills (one request at a time), passes of the batch,
+    and the rest (a request decoding alone, speculatively)."""
+    spent = {name: after[name] - before[name] for name in after}
+    busy, prefill = spent["engine_busy_seconds_total"], spent["prefill_seconds_total"]
+    steps, batch = spent["batch_steps_total"], spent["batch_seconds_total"]
+    split = {
+        "engine_busy_seconds": round(busy, 3),
+        "prefill_seconds": round(prefill, 3),
+        "batch_seconds": round(batch, 3),
+        "solo_decode_seconds": round(busy - prefill - batch, 3),
+        "batch_steps": int(steps),
+        "batch_rows_per_step": round(spent["batch_rows_total"] / steps, 2) if steps else 0,
+        "batch_step_ms": round(1000 * batch / steps, 1) if steps else 0,
+        "passes": int(spent["target_passes_total"]),
     }
+    return {f"{phase}_{name}": value for name, value in split.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

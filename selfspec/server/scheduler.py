@@ -80,6 +80,10 @@ class Metrics:
     accepted: int = 0
     seconds: float = 0.0
     busy: float = 0.0  # wall time the engine spent on requests (overlapping ones count once)
+    prefill_seconds: float = 0.0  # of finished requests
+    batch_steps: int = 0
+    batch_rows: int = 0
+    batch_seconds: float = 0.0
     active: int = 0
     queued: int = 0
 
@@ -99,6 +103,20 @@ class Metrics:
             ("accepted_tokens_total", "counter", "drafted tokens accepted", self.accepted),
             ("generation_seconds_total", "counter", "request times added up", self.seconds),
             ("engine_busy_seconds_total", "counter", "wall time spent generating", self.busy),
+            (
+                "prefill_seconds_total",
+                "counter",
+                "prompt reading (finished requests)",
+                self.prefill_seconds,
+            ),
+            (
+                "batch_steps_total",
+                "counter",
+                "passes of the batch (one token per request)",
+                self.batch_steps,
+            ),
+            ("batch_rows_total", "counter", "request-rows in those passes", self.batch_rows),
+            ("batch_seconds_total", "counter", "wall time of those passes", self.batch_seconds),
             ("tokens_per_second", "gauge", "completion tokens / engine busy seconds", speed),
             ("acceptance_rate", "gauge", "accepted / drafted", acceptance),
             ("mean_accepted_length", "gauge", "tokens per full-model pass", mal),
@@ -312,6 +330,7 @@ class Scheduler:
         self._count(cancelled=len(cancelled))
         if not self.batch:
             return
+        started = time.perf_counter()
         try:
             step(self.engine.runner, [r.sequence for r in self.batch])
         except Exception as exc:
@@ -319,6 +338,11 @@ class Scheduler:
                 self._fail(running.job, exc)
             self.batch = []
             return
+        self._count(
+            batch_steps=1,
+            batch_rows=len(self.batch),
+            batch_seconds=time.perf_counter() - started,
+        )
         for running in [r for r in self.batch if r.sequence.gen.stop]:
             self.batch.remove(running)
             self._done(running.job, running.trimmer, running.sequence.finish())
@@ -336,6 +360,7 @@ class Scheduler:
             drafted=stats.drafted,
             accepted=stats.accepted,
             seconds=stats.seconds,
+            prefill_seconds=stats.prefill_seconds,
         )
         job.on_event("done", (trimmer.whole(), finish, stats))
 
