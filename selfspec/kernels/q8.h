@@ -267,13 +267,22 @@ inline __m256i add_dot4(__m256i dot, __m256i w_u8, __m256i a_s8) {
 // each weight vector is read and unpacked once for every row of the tile.
 // Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
 // (the reference's sum (q + 128) * a - 128 * S, the same integer).
+//
+// Q6_K (the byte format with groups of 16) holds q in [-32, 31]: u = q + 32 = stored - 96 fits in
+// 6 bits, so u * a needs no sign trick, two steps' pair sums add up in int16 (at most
+// 4 * 63 * 127) and I = sum u * a - 32 * S: the same integer, fewer instructions per row.
+template <int FORMAT, int G>
+constexpr bool kSixBit = FORMAT == kBytes && G == 16;
+
 template <int FORMAT, int G, int ROWS>
 void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
                  const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
   constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;
   static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
+  static_assert(!kSixBit<FORMAT, G> || kSteps % 2 == 0, "six-bit steps go in pairs");
   const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i six_bit_shift = _mm256_set1_epi8(96), ones16 = _mm256_set1_epi16(1);
   __m256 acc[ROWS][2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -287,8 +296,27 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    if constexpr (kSixBit<FORMAT, G>) {
+#pragma GCC unroll 4
+      for (int t = 0; t < kSteps; t += 2) {
+        const __m256i* qt = reinterpret_cast<const __m256i*>(q + t * 64);
+        const __m256i u0a = _mm256_sub_epi8(_mm256_loadu_si256(qt), six_bit_shift);
+        const __m256i u0b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 1), six_bit_shift);
+        const __m256i u1a = _mm256_sub_epi8(_mm256_loadu_si256(qt + 2), six_bit_shift);
+        const __m256i u1b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 3), six_bit_shift);
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i a0 = _mm256_set1_epi32(a_lo[t * M + r]);
+          const __m256i a1 = _mm256_set1_epi32(a_lo[(t + 1) * M + r]);
+          const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(u0a, a0), _mm256_maddubs_epi16(u1a, a1));
+          const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(u0b, a0), _mm256_maddubs_epi16(u1b, a1));
+          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(pa, ones16));
+          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(pb, ones16));
+        }
+      }
+    }
 #pragma GCC unroll 8
-    for (int t = 0; t < kSteps; ++t) {
+    for (int t = 0; t < kSteps && !kSixBit<FORMAT, G>; ++t) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64 + 32));
       if constexpr (L::kNibbleQ) {
@@ -319,6 +347,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
     }
     const float* dg = d_t + (g0 / kActBlock) * M;
     const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
+    const int32_t* sg = static_cast<const int32_t*>(group_sums) + (g0 / G) * M;  // S per 16 k
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -326,6 +355,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       for (int h = 0; h < 2; ++h) {
         __m256i I = dot[r][h];
         if constexpr (L::kNibbleQ) I = _mm256_madd_epi16(I, _mm256_set1_epi16(1));
+        if constexpr (kSixBit<FORMAT, G>) I = _mm256_sub_epi32(I, _mm256_set1_epi32(32 * sg[r]));
         const __m256 scale = _mm256_load_ps(scales + h * 8);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale, vd), acc[r][h]);
         if constexpr (FORMAT != kBytes)
@@ -349,14 +379,16 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   constexpr int kRows = 4;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
-  const float* sums = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
+  // d * S per 32 k (the nibble formats' offsets) or, for six-bit bytes, S per 16 k
+  const void* sums = kSixBit<FORMAT, G> ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
+                                         : static_cast<const void*>(a.ds32.data_ptr<float>());
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
                  : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
                  : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
                              : &q8tile_avx2<FORMAT, G, 1>;
-    tile(quads + m0, d_t + m0, sums + m0, M, K, panel, p, y + m0 * N, N, bias);
+    tile(quads + m0, d_t + m0, static_cast<const uint8_t*>(sums) + 4 * m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 #else
