@@ -6,6 +6,10 @@ streams at once, through the OpenAI client; tokens/s per stream and in aggregate
 It starts the server itself on a free loopback port (same model, speed mode and defaults as
 `selfspec serve`), waits for /health, runs the streams and stops it. Greedy requests, so every
 concurrent answer must equal its solo answer (checked). Needs the `openai` package.
+
+From the server's /metrics it also splits each phase's engine time into prefill, passes of the
+batch (with their rows per pass and milliseconds per pass) and decoding alone, which says where
+an aggregate short of the streams' count goes.
 """
 
 from __future__ import annotations
