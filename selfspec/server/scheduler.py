@@ -9,6 +9,7 @@ batch at the next pass. Counters for /metrics live here too.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -144,6 +145,15 @@ class _Running:
     trimmer: StopTrimmer
 
 
+def _shut_out(jobs: list[Job | None]) -> None:
+    """End each job not already cancelled with the shutdown's error event (None: the worker's
+    wake-up, skipped)."""
+    for job in jobs:
+        if job is not None and not job.cancelled.is_set():
+            job.cancelled.set()
+            job.on_event("error", "the server is shutting down")
+
+
 class Scheduler:
     """The engine's only user: a worker thread that admits queued jobs and decodes them.
 
@@ -189,17 +199,17 @@ class Scheduler:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        running = [r.job for r in list(self.batch)] + ([self.solo] if self.solo else [])
+        ended = [r.job for r in list(self.batch)] + ([self.solo] if self.solo else [])
         while True:
             try:
-                waiting = self.jobs.get_nowait()
+                ended.append(self.jobs.get_nowait())
             except queue.Empty:
                 break
-            running += [waiting] if waiting is not None else []
-        for job in running:
-            job.cancelled.set()
-            job.on_event("error", "the server is shutting down")
-        self.jobs.put_nowait(None)
+        _shut_out(ended)
+        # wakes a worker waiting for a job; a full queue (a job slipped in after the draining)
+        # wakes it as well, and _take ends that job
+        with contextlib.suppress(queue.Full):
+            self.jobs.put_nowait(None)
 
     def stop(self) -> None:
         """Cancel what runs and what waits; end the worker."""
@@ -233,10 +243,7 @@ class Scheduler:
             except queue.Empty:
                 break
         if None in taken or self.stopping.is_set():
-            for job in taken:
-                if job is not None and not job.cancelled.is_set():
-                    job.cancelled.set()
-                    job.on_event("error", "the server is shutting down")
+            _shut_out(taken)
             return None
         live = [job for job in taken if not job.cancelled.is_set()]
         self._count(cancelled=len(taken) - len(live))
