@@ -341,9 +341,9 @@ class Scheduler:
         try:
             step(self.engine.runner, [r.sequence for r in self.batch])
         except Exception as exc:
-            for running in self.batch:
+            failed, self.batch = self.batch, []
+            for running in failed:
                 self._fail(running.job, exc)
-            self.batch = []
             return
         self._count(
             batch_steps=1,
@@ -369,10 +369,12 @@ class Scheduler:
             seconds=stats.seconds,
             prefill_seconds=stats.prefill_seconds,
         )
+        self._gauges()  # before the client hears of it: /metrics never lags behind a reply
         job.on_event("done", (trimmer.whole(), finish, stats))
 
     def _fail(self, job: Job, exc: Exception) -> None:
         self._count(failed=1)
+        self._gauges()
         job.on_event("error", f"generation failed: {type(exc).__name__}: {exc}")
 
     def _gauges(self) -> None:
