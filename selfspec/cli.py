@@ -7,9 +7,12 @@ printed as one `error:` line (exit 2), never as a traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
+import os
 import sys
+import threading
 
 import selfspec  # noqa: F401  (sets MKL_CBWR before torch is imported)
 from selfspec.cliargs import (
@@ -278,5 +281,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The ``selfspec`` command: ``main``, then a quick exit. Tearing the interpreter down module
+    by module with torch loaded takes a good part of a second; by the time ``main`` returns every
+    file is written (atomically) and every worker joined, so the process flushes its streams, runs
+    its exit handlers and ends."""
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

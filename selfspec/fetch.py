@@ -39,9 +39,12 @@ class ModelSpec:
 def progress_wanted() -> bool:
     """Progress bars are on unless SELFSPEC_NO_PROGRESS=1 (then transformers' are off too)."""
     if os.environ.get("SELFSPEC_NO_PROGRESS") == "1":
-        from transformers.utils import logging as hf_logging
+        # transformers reads this when first imported; one imported already is told directly
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
         # transformers' GGUF conversion uses tqdm directly, which reads its defaults from here
         os.environ["TQDM_DISABLE"] = "1"
         return False

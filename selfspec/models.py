@@ -26,7 +26,12 @@ from selfspec.paths import cache_dir
 
 @dataclass
 class LoadedModel:
-    """A model ready to decode: the HF module in eval mode, its tokenizer and where it came from."""
+    """A model ready to decode: the module in eval mode, its tokenizer and where it came from.
+
+    ``model`` is transformers' model, except in the quantized modes on a CPU with fused layers:
+    there it is selfspec's own skeleton of the same modules (``selfspec.skeleton``), which runs
+    through ``selfspec.runner.ModelRunner`` only; ``load_model(..., fused=False)`` gives
+    transformers' model in every mode."""
 
     name: str
     model: object
@@ -73,11 +78,10 @@ def load_model(
     bytes}``, the rest to disk) as ``selfspec.placement`` explains; speed mode torch only.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from selfspec.fused import fuse_layers
-    from selfspec.quantload import load_quantized
-    from selfspec.speed import QUANTIZED_MODES, apply_speed_mode, resolve_speed_mode
+    from selfspec.skeleton import CausalLM
+    from selfspec.speed import QUANTIZED_MODES, resolve_speed_mode
+    from selfspec.tokenizer import load_tokenizer_from
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SelfSpecError(
@@ -94,24 +98,41 @@ def load_model(
     progress_wanted()  # SELFSPEC_NO_PROGRESS=1 quiets transformers' bars too
     if max_memory is not None:
         return _load_split(name_or_path, folder, dtype, speed, max_memory)
+    own_skeleton = fused and str(device) == "cpu" and speed in QUANTIZED_MODES
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        if speed in QUANTIZED_MODES:
-            model = load_quantized(folder, gguf_source(name_or_path, folder), speed)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                float32_dir(name_or_path, folder), dtype=dtype, attn_implementation="sdpa"
-            )
+        tokenizer = load_tokenizer_from(folder)
+        model, layers = _load_weights(
+            name_or_path, folder, device, dtype, speed, fused, own_skeleton
+        )
     except OSError as exc:
         raise SelfSpecError(f"could not load model '{name_or_path}' from {folder}: {exc}") from exc
+    if own_skeleton and layers is None and isinstance(model, CausalLM):
+        # a layer the kernel cannot fuse: selfspec's skeleton runs only fused layers
+        model, layers = _load_weights(name_or_path, folder, device, dtype, speed, fused, False)
+    return LoadedModel(
+        name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
+    )
+
+
+def _load_weights(name: str, folder, device, dtype, speed: str, fused: bool, own_skeleton: bool):
+    """(model in eval mode laid out for ``speed``, its fused layers or None)."""
+    from selfspec.fused import fuse_layers
+    from selfspec.quantload import load_quantized
+    from selfspec.speed import QUANTIZED_MODES, apply_speed_mode
+
+    if speed in QUANTIZED_MODES:
+        model = load_quantized(folder, gguf_source(name, folder), speed, own_skeleton)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            float32_dir(name, folder), dtype=dtype, attn_implementation="sdpa"
+        )
     model.to(device)
     model.eval()
     model.requires_grad_(False)
     apply_speed_mode(model, speed)
-    layers = fuse_layers(model, speed) if fused else None
-    return LoadedModel(
-        name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
-    )
+    return model, fuse_layers(model, speed) if fused else None
 
 
 def _compile_kernel_meanwhile() -> None:
@@ -173,9 +194,9 @@ def check_same_tokenizer(
 
 def load_tokenizer(name_or_path: str):
     """A model's tokenizer alone (cheap: for checks before its weights are loaded)."""
-    from transformers import AutoTokenizer
+    from selfspec.tokenizer import load_tokenizer_from
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    return load_tokenizer_from(resolve_model_dir(name_or_path))
 
 
 def unmodified(loaded: LoadedModel) -> LoadedModel:

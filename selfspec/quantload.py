@@ -1,6 +1,7 @@
 """Load a GGUF model straight into the quantized layout of speed modes gguf and gguf-q8.
 
-No float32 copy of the model is made. The model is built on the meta device (accelerate's
+No float32 copy of the model is made. The model is built on the meta device (selfspec's own
+skeleton for the fused families, ``selfspec.skeleton``; else transformers' class under accelerate's
 ``init_empty_weights``: modules whose parameters have no memory); its linear layers become
 ``QuantLinear`` / ``Q8Linear`` panels; its embedding reads the file's rows as tokens come
 (``QuantEmbedding``); the float32 tensors left (norms, biases) are read from the file through
@@ -37,6 +38,7 @@ from selfspec.quantized import (
     pack,
     swap_module,
 )
+from selfspec.skeleton import CausalLM, build_skeleton
 
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
@@ -71,11 +73,15 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows={self.tensor.type_name} in file"
 
 
-def load_quantized(folder: str | Path, gguf_path: Path, mode: str) -> nn.Module:
+def load_quantized(
+    folder: str | Path, gguf_path: Path, mode: str, own_skeleton: bool = False
+) -> nn.Module:
     """The model whose config is in ``folder`` with ``gguf_path``'s weights in speed mode
-    ``mode`` ("gguf" or "gguf-q8") layout, on the CPU, in eval mode."""
+    ``mode`` ("gguf" or "gguf-q8") layout, on the CPU, in eval mode. ``own_skeleton``: build it
+    as selfspec's own module tree (``selfspec.skeleton``, for the fused kernel layers only) where
+    the family allows, instead of transformers' model class."""
     kernel = load_kernel()
-    model = _skeleton(folder)
+    model = (build_skeleton(folder) if own_skeleton else None) or _skeleton(folder)
     gguf = read_gguf(gguf_path)
     sources = linear_sources(model, gguf.tensors, gguf_path, kernel)
     _fill_float_tensors(model, gguf, skip={name for _, name, _ in sources} | {"token_embd.weight"})
@@ -116,27 +122,55 @@ def _fill_float_tensors(model: nn.Module, gguf: GGUFFile, skip: set[str]) -> Non
     GGUF loading would: llama.cpp's tensor names, and transformers' per-family fixes (gemma's
     norms, llama's q/k rows)."""
     from gguf import GGMLQuantizationType, dequantize
+
+    params = dict(model.named_parameters())
+    name_map = _gguf_names(model, gguf.architecture, params)
+    own = isinstance(model, CausalLM)
+    process = _own_processor(model) if own else _hf_processor(model, gguf, name_map)
+    for name, tensor in gguf.tensors.items():
+        if name in skip:
+            continue
+        weights = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+        weights, name = process(weights, name)
+        param = params.get(name_map.get(name, ""))
+        if param is None:  # held by the file, not used by the model (as transformers skips it)
+            continue
+        value = np.array(weights, dtype=np.float32).reshape(param.shape)
+        module_name, _, leaf = name_map[name].rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[leaf] = nn.Parameter(torch.from_numpy(value), requires_grad=False)
+
+
+def _hf_processor(model: nn.Module, gguf: GGUFFile, name_map: dict):
+    """transformers' per-family fix of one float tensor read from the file: (weights, the name
+    to map it by; None for a tensor the model does not use)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(
         config=model.config.to_dict()
     )
-    params = dict(model.named_parameters())
-    name_map = _gguf_names(model, gguf.architecture, params)
-    for name, tensor in gguf.tensors.items():
-        if name in skip:
-            continue
-        weights = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+
+    def process(weights: np.ndarray, name: str) -> tuple:
         result = processor.process(
             weights=weights, name=name, tensor_key_mapping=name_map, parsed_parameters={}
         )
-        param = params.get(name_map.get(result.name, ""))
-        if param is None:  # held by the file, not used by the model (as transformers skips it)
-            continue
-        value = np.array(result.weights, dtype=np.float32).reshape(param.shape)
-        module_name, _, leaf = name_map[result.name].rpartition(".")
-        module = model.get_submodule(module_name)
-        module._parameters[leaf] = nn.Parameter(torch.from_numpy(value), requires_grad=False)
+        return result.weights, result.name
+
+    return process
+
+
+def _own_processor(model: nn.Module):
+    """The fused families' one fix, for selfspec's own skeleton: llama's q/k rows (a bias here:
+    the weights are quantized) back in the model's order."""
+    from selfspec.adapters import adapter_for
+
+    adapter = adapter_for(model)
+
+    def process(weights: np.ndarray, name: str) -> tuple:
+        order = adapter.gguf_row_order(name, weights.shape[0])
+        return (weights if order is None else weights[order]), name
+
+    return process
 
 
 def _gguf_names(model: nn.Module, architecture: str | None, params: dict) -> dict[str, str]:

@@ -28,7 +28,7 @@ PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
 
 def _logits(model, tokenizer) -> torch.Tensor:
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    ids = torch.tensor([tokenizer(PROMPT)["input_ids"]])
     with torch.inference_mode():
         return model(ids).logits
 
@@ -37,7 +37,7 @@ def _logits(model, tokenizer) -> torch.Tensor:
 def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
     """smollm2: a llama (q/k rows permuted in the file), Q4_1 layers, a Q8_0 embedding and head."""
     name = "smollm2-135m"
-    direct = load_model(name, speed=mode)
+    direct = load_model(name, speed=mode, fused=False)  # transformers' modules, run one by one
     converted = load_model(name, speed="torch")
     apply_speed_mode(converted.model, mode, gguf_source(name, converted.path))
     tokenizer = direct.tokenizer
@@ -109,7 +109,7 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
 ):
     gguf, entry = local_cache
     assert not has_weights(entry) and (entry / "config.json").is_file()
-    first = load_model(str(gguf), speed="gguf-q8")
+    first = load_model(str(gguf), speed="gguf-q8", fused=False)
     panels = entry / f"panels-gguf-q8-v{quantload.LAYOUT_VERSION}"
     assert modelcache.entry_damage(panels, full=True) is None
     assert not (entry / FLOAT32_FOLDER).exists()  # a quantized mode made no float32 copy
@@ -119,7 +119,7 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
 
     with monkeypatch.context() as patch:
         patch.setattr(quantload, "_build_panels", no_build)
-        second = load_model(str(gguf), speed="gguf-q8")
+        second = load_model(str(gguf), speed="gguf-q8", fused=False)
     tokenizer = first.tokenizer
     expected = _logits(first.model, tokenizer)
     assert torch.equal(_logits(second.model, tokenizer), expected)
@@ -128,7 +128,7 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
     with open(panels / quantload.PANELS_FILE, "r+b") as fh:
         fh.seek(4096)
         fh.write(b"\x55" * 4096)
-    third = load_model(str(gguf), speed="gguf-q8")
+    third = load_model(str(gguf), speed="gguf-q8", fused=False)
     err = capsys.readouterr().err
     assert "is damaged (panels.bin does not match its checksum); rebuilding it" in err
     assert torch.equal(_logits(third.model, tokenizer), expected)
@@ -147,9 +147,9 @@ def test_a_folder_outside_the_cache_is_loaded_without_writing_to_it(local_cache,
     shutil.copytree(entry, folder)
     shutil.copy(gguf, folder / "model.gguf")
     before = sorted(p.name for p in folder.iterdir())
-    loaded = load_model(str(folder), speed="gguf")
+    loaded = load_model(str(folder), speed="gguf", fused=False)
     assert sorted(p.name for p in folder.iterdir()) == before
-    reference = load_model(str(gguf), speed="gguf")
+    reference = load_model(str(gguf), speed="gguf", fused=False)
     assert torch.equal(
         _logits(loaded.model, loaded.tokenizer), _logits(reference.model, loaded.tokenizer)
     )

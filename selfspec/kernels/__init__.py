@@ -17,6 +17,7 @@ The speed modes (``selfspec.speed``, ``selfspec.quantized``) build their modules
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -42,6 +43,11 @@ PANEL = 16  # output columns per panel
 KERNEL_MAX_ROWS = 80
 ROW_ATTENTION = "selfspec_rows"  # the name the row attention is registered under in transformers
 
+# fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add the code did
+# not ask for)
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_BUILT = "selfspec-built"  # written once a build has linked: the .so beside it is whole
+
 _kernel = None
 _kernel_error: str | None = None
 _kernel_lock = threading.Lock()
@@ -49,6 +55,7 @@ _kernel_lock = threading.Lock()
 
 def _build_dir() -> Path:
     key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode())
+    key.update(" ".join(_CFLAGS).encode())
     for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # module.cpp and its headers
         key.update(path.name.encode() + path.read_bytes())
     folder = kernel_build_root() / key.hexdigest()[:16]
@@ -68,11 +75,29 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def _import_built(folder: Path):
+    """The extension built earlier in ``folder``, imported directly (torch's loader would import
+    its build tools and run ninja to check the build, a noticeable part of a start), or None."""
+    import importlib.util
+
+    library = folder / "selfspec_kernels.so"
+    if not (folder / _BUILT).is_file() or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("selfspec_kernels", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _compile():
+    folder = _build_dir()
+    with contextlib.suppress(ImportError, OSError):
+        built = _import_built(folder)
+        if built is not None:
+            return built
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-    folder = _build_dir()
     if not any(folder.glob("*.so")):
         print(
             "selfspec: compiling the packed CPU kernel for this machine (once, about a minute)...",
@@ -87,16 +112,16 @@ def _compile():
     # it is the only builder, so a baton file found then is stale.
     with FileLock(str(folder.parent / f"{folder.name}.build.lock")):
         (folder / "lock").unlink(missing_ok=True)
-        return load(
+        module = load(
             name="selfspec_kernels",
             sources=[str(SOURCE)],
             build_directory=str(folder),
-            # fp-contract off: the rebuilt weights must round as ggml's (no fused multiply-add
-            # the code did not ask for).
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        (folder / _BUILT).touch()
+        return module
 
 
 def load_kernel():
