@@ -52,10 +52,23 @@ def rope_settings(config: ModelConfig) -> dict | None:
     return params
 
 
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "rms_norm_eps",
+)
+
+
 def supports(config: ModelConfig) -> bool:
-    """Whether this skeleton can stand in for transformers' model class of ``config``."""
+    """Whether this skeleton can stand in for transformers' model class of ``config`` (a config
+    short of a field transformers would default is left to transformers)."""
     return (
         getattr(config, "model_type", None) in LIGHT_FAMILIES
+        and all(getattr(config, key, None) is not None for key in _REQUIRED)
         and getattr(config, "hidden_act", None) == "silu"
         and rope_settings(config) is not None
         and not getattr(config, "use_sliding_window", False)

@@ -132,3 +132,22 @@ def test_own_skeleton_is_not_run_module_by_module():
     model, _ = _load_weights("smollm2-135m", folder, "cpu", torch.float32, "gguf-q8", True, True)
     with pytest.raises(NotImplementedError, match="ModelRunner"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_only_configs_the_skeleton_computes_exactly_are_taken():
+    """Another rotary kind, a sliding window, another family or a missing field: transformers'
+    model class is used instead."""
+    from selfspec.skeleton import ModelConfig, supports
+
+    base = json.loads((ensure_bundled("qwen2.5-coder-0.5b") / "config.json").read_text())
+    assert supports(ModelConfig(base))
+    llama3_rope = {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
+    for change in (
+        {"rope_parameters": llama3_rope},
+        {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        {"use_sliding_window": True, "sliding_window": 4096},
+        {"model_type": "gemma3_text"},
+        {"hidden_act": "gelu"},
+        {"rms_norm_eps": None},
+    ):
+        assert not supports(ModelConfig({**base, **change})), change
