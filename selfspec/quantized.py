@@ -32,7 +32,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.gguffile import gguf_tensors
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, matmul_panels, pack_weight
 
-NIBBLES, BYTES, SUPER_NIBBLES = 0, 1, 2  # kernel formats (kernels/packed_linear.cpp)
+NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
 _DEQUANT_CHUNK_PANELS = 512  # bounds the float32 panels alive at once during prefill
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
 
@@ -42,7 +42,8 @@ class Decoded:
     """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
 
     SUPER_NIBBLES (Q4_K) keeps the file's factors instead of their float32 products:
-    scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G])."""
+    scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
+    Q6_K (BYTES, G = 16) keeps them beside its scales: d [N, K // 256] float16, sc int8."""
 
     q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
     scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
@@ -50,7 +51,7 @@ class Decoded:
     group: int
     format: int
     factors: tuple | None = (
-        None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8
+        None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8; Q6_K: d, sc
     )
 
     def weights(self, first: int, last: int) -> np.ndarray:
@@ -116,8 +117,10 @@ def _q6_k(raw, rows):
         b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     ) & 3
     q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
-    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES)
+    d, sc = np.ascontiguousarray(b[:, 208:210]).view(np.float16), b[:, 192:208].view(np.int8)
+    scale = d.astype(np.float32) * sc.astype(np.float32)
+    factors = (d.reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1))
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
 
 
 def _q8_0(raw, rows):
@@ -174,34 +177,62 @@ def _q_vnni_arrangement(decoded: Decoded) -> np.ndarray:
     return np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // PANEL, groups, -1)
 
 
+def _lanes_last(a: np.ndarray) -> np.ndarray:
+    """[N, blocks, ...] -> [N / 16, blocks, ... * 16]: the 16 rows of a panel side by side."""
+    panels, blocks = a.shape[0] // PANEL, a.shape[1]
+    a = a.reshape(panels, PANEL, blocks, -1)
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, blocks, -1)
+
+
+def has_six_bits(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is Q6_K, which ``pack_six_bits`` lays out."""
+    return decoded.format == BYTES and decoded.group == 16 and decoded.factors is not None
+
+
+def pack_six_bits(decoded: Decoded) -> torch.Tensor:
+    """Q6_K in the kernel's SIX_BITS layout (kernels/linear.h, SixBitLayout): per 256 k, d; per
+    group of 16 k, sc, the low nibbles of u = q + 32 (two steps a byte) and its high bit pairs
+    (four steps a byte), each step 16 lanes x 4 k."""
+    n, k = decoded.q.shape
+    panels, groups = n // PANEL, k // 16
+    u = (decoded.q.astype(np.int16) + 32).astype(np.uint8).reshape(panels, PANEL, groups, 4, 4)
+    u = u.transpose(0, 2, 3, 1, 4).reshape(panels, groups, 4, 64)  # [P, group, step, lane * 4 + k]
+    low = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)
+    high = sum(((u[:, :, t] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
+    d, sc = decoded.factors
+    record = np.concatenate(
+        [_lanes_last(sc).view(np.uint8), low.reshape(panels, groups, -1), high], axis=2
+    )
+    supers = k // 256
+    record = np.concatenate(
+        [_lanes_last(d).view(np.uint8), record.reshape(panels, supers, -1)], axis=2
+    )
+    return torch.from_numpy(record.reshape(panels, -1))
+
+
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
     """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode
     gguf-q8's arrangement of each group's integers; headers and sizes are the same)."""
     n, k = decoded.q.shape
     panels = n // PANEL
 
-    def lanes_last(a: np.ndarray) -> np.ndarray:  # [N, blocks, ...] -> [P, blocks, ... * 16]
-        blocks = a.shape[1]
-        a = a.reshape(panels, PANEL, blocks, -1)
-        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, blocks, -1)
-
-    q = _q_vnni_arrangement(decoded) if vnni else lanes_last(_q_float_arrangement(decoded))
+    q = _q_vnni_arrangement(decoded) if vnni else _lanes_last(_q_float_arrangement(decoded))
     if decoded.format == SUPER_NIBBLES:  # per 256 k: d, dmin; per group: sc, m, q
         d, dmin, sc, m = decoded.factors
-        groups_record = np.concatenate([lanes_last(sc), lanes_last(m), q], axis=2)
+        groups_record = np.concatenate([_lanes_last(sc), _lanes_last(m), q], axis=2)
         supers = k // 256
         record = np.concatenate(
             [
-                lanes_last(d).view(np.uint8),
-                lanes_last(dmin).view(np.uint8),
+                _lanes_last(d).view(np.uint8),
+                _lanes_last(dmin).view(np.uint8),
                 groups_record.reshape(panels, supers, -1),
             ],
             axis=2,
         )
         return torch.from_numpy(record.reshape(panels, -1))
-    header = [lanes_last(decoded.scale).view(np.uint8)]
+    header = [_lanes_last(decoded.scale).view(np.uint8)]
     if decoded.format == NIBBLES:
-        header.append(lanes_last(decoded.offset).view(np.uint8))
+        header.append(_lanes_last(decoded.offset).view(np.uint8))
     record = np.concatenate([*header, q], axis=2)
     return torch.from_numpy(record.reshape(panels, -1))
 
@@ -221,22 +252,34 @@ class QuantLinear(nn.Module):
         layout: tuple[int, int, str],
         bias: torch.Tensor | None,
         kernel,
+        few_rows: torch.Tensor | None = None,
     ):
         """``panels``: [out_features / 16, bytes per panel] uint8 as ``pack`` lays them out;
-        ``layout``: (kernel format, group size, the file's type name)."""
+        ``layout``: (kernel format, group size, the file's type name); ``few_rows``: the same
+        weights in SIX_BITS panels (``pack_six_bits``), which gguf-q8 reads in passes over a
+        row or two (see ``Q8Linear``)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.kernel = kernel
         self.format, self.group, self.type_name = layout
         self.register_buffer("quant_weight", panels)
         self.register_buffer("bias", bias)
+        self.register_buffer("few_rows_weight", few_rows)
+
+    @classmethod
+    def wants_six_bits(cls, kernel) -> bool:
+        """Whether this mode keeps Q6_K's six-bit panels too (gguf-q8, where the build reads
+        them)."""
+        return cls.vnni and kernel.q8_six_bit_rows() > 0
 
     @classmethod
     def from_decoded(cls, decoded: Decoded, type_name: str, bias: torch.Tensor | None, kernel):
         out_features, in_features = decoded.q.shape
         panels = pack(decoded, vnni=cls.vnni)
+        six = cls.wants_six_bits(kernel) and has_six_bits(decoded)
+        few_rows = pack_six_bits(decoded) if six else None
         layout = (decoded.format, decoded.group, type_name)
-        return cls(in_features, out_features, panels, layout, bias, kernel)
+        return cls(in_features, out_features, panels, layout, bias, kernel, few_rows)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
@@ -286,9 +329,10 @@ class Q8Linear(QuantLinear):
         n = out_features or self.out_features
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
-        out = self.kernel.q8_linear(
-            rows, self.quant_weight[: n // PANEL], self.format, self.group, bias, False
-        )
+        weight, fmt = self.quant_weight, self.format
+        if self.few_rows_weight is not None and rows.shape[0] <= self.kernel.q8_six_bit_rows():
+            weight, fmt = self.few_rows_weight, SIX_BITS  # memory-bound: fewer bytes win
+        out = self.kernel.q8_linear(rows, weight[: n // PANEL], fmt, self.group, bias, False)
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

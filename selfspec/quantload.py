@@ -30,12 +30,14 @@ from selfspec.kernels import PANEL, load_kernel
 from selfspec.modelcache import MARKER_FILE, build_entry
 from selfspec.paths import cache_dir
 from selfspec.quantized import (
+    BYTES,
     Q8Linear,
     QuantLinear,
     decode,
     decode_rows,
     linear_sources,
     pack,
+    pack_six_bits,
     swap_module,
 )
 from selfspec.skeleton import CausalLM, build_skeleton
@@ -43,6 +45,15 @@ from selfspec.skeleton import CausalLM, build_skeleton
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
+SIX_BIT_LAYOUT_VERSION = 3  # gguf-q8 with six-bit Q6_K panels beside the bytes
+
+
+def layout_version(mode: str) -> int:
+    """The panel layout version speed mode ``mode`` uses with this machine's kernel build."""
+    six = mode == "gguf-q8" and Q8Linear.wants_six_bits(load_kernel())
+    return SIX_BIT_LAYOUT_VERSION if six else LAYOUT_VERSION
+
+
 _ALIGN = 4096  # each layer's panels start on a page: the kernel's loads stay aligned
 _CHUNK_ROWS = 4096  # rows decoded and packed at a time while building (a multiple of PANEL)
 
@@ -89,9 +100,9 @@ def load_quantized(
     panels = _panels(Path(folder), mode, model, sources, cls)
     for module_name, _, _ in sources:
         linear = model.get_submodule(module_name)
-        data, layout = panels[module_name]
+        data, layout, few_rows = panels[module_name]
         bias = linear.bias.detach() if linear.bias is not None else None
-        quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel)
+        quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel, few_rows)
         swap_module(model, module_name, quant)
     _swap_embedding(model, gguf)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -211,10 +222,10 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
 
     def build(out: Path) -> None:
         _build_panels(model, sources, cls, out)
-        (out / MARKER_FILE).write_text(json.dumps({"layout": LAYOUT_VERSION}))
+        (out / MARKER_FILE).write_text(json.dumps({"layout": layout_version(mode)}))
 
     if folder.resolve().is_relative_to(cache_dir().resolve()):
-        entry = folder / f"panels-{mode}-v{LAYOUT_VERSION}"
+        entry = folder / f"panels-{mode}-v{layout_version(mode)}"
         label = f"{mode} panels of {folder.name}"
         with contextlib.suppress(OSError):  # read-only: the lock, staging or publishing failed
             return _map_panels(build_entry(entry, label, build, lock=f"{folder.name}-{entry.name}"))
@@ -225,36 +236,41 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
 
 def _build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:
     """Decode and pack every layer, a slice of rows at a time, appending to one file: memory
-    holds one slice, not the model."""
+    holds one slice, not the model. Q6_K layers of gguf-q8 get their six-bit panels as well."""
     index = {}
+    six_bits = cls.wants_six_bits(load_kernel())
     bar = progress_bar(len(sources), "laying out quantized weights", unit="layer")
     with open(out / PANELS_FILE, "wb") as fh:
         for module_name, _, tensor in sources:
-            fh.write(b"\0" * (-fh.tell() % _ALIGN))
-            offset = fh.tell()
-            for first in range(0, tensor.rows, _CHUNK_ROWS):
-                decoded = decode_rows(model, tensor, first, min(tensor.rows, first + _CHUNK_ROWS))
-                pack(decoded, vnni=cls.vnni).numpy().tofile(fh)
-            layout = [decoded.format, decoded.group, tensor.type_name]
-            index[module_name] = {
-                "offset": offset,
-                "bytes": fh.tell() - offset,
-                "panels": tensor.rows // PANEL,
-                "layout": layout,
-            }
+            entry, layout = _append_panels(fh, model, tensor, lambda d: pack(d, vnni=cls.vnni))
+            index[module_name] = {**entry, "layout": layout}
+            if six_bits and layout[:2] == [BYTES, 16] and tensor.type_name == "Q6_K":
+                index[module_name]["few_rows"], _ = _append_panels(fh, model, tensor, pack_six_bits)
             bar.update(1)
     bar.close()
     (out / INDEX_FILE).write_text(json.dumps(index))
+
+
+def _append_panels(fh, model: nn.Module, tensor: GGUFTensor, lay_out) -> tuple[dict, list]:
+    """``tensor`` laid out by ``lay_out`` at the end of ``fh``, page-aligned: (where, layout)."""
+    fh.write(b"\0" * (-fh.tell() % _ALIGN))
+    offset = fh.tell()
+    for first in range(0, tensor.rows, _CHUNK_ROWS):
+        decoded = decode_rows(model, tensor, first, min(tensor.rows, first + _CHUNK_ROWS))
+        lay_out(decoded).numpy().tofile(fh)
+    where = {"offset": offset, "bytes": fh.tell() - offset, "panels": tensor.rows // PANEL}
+    return where, [decoded.format, decoded.group, tensor.type_name]
 
 
 def _map_panels(entry: Path) -> dict:
     index = json.loads((entry / INDEX_FILE).read_text())
     path = entry / PANELS_FILE
     storage = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+
+    def view(r: dict) -> torch.Tensor:
+        return storage[r["offset"] : r["offset"] + r["bytes"]].view(r["panels"], -1)
+
     return {
-        name: (
-            storage[r["offset"] : r["offset"] + r["bytes"]].view(r["panels"], -1),
-            tuple(r["layout"]),
-        )
+        name: (view(r), tuple(r["layout"]), view(r["few_rows"]) if "few_rows" in r else None)
         for name, r in index.items()
     }

@@ -11,7 +11,7 @@ from test_engine import PROMPTS, plans_for
 
 from selfspec import gguffile, quantized
 from selfspec.errors import SelfSpecError
-from selfspec.kernels import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
+from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, kernel_available, load_kernel, pack_weight
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the CPU kernel cannot be built here"
@@ -108,6 +108,37 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
         kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
         kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64],
     )
+
+
+@needs_kernel
+def test_six_bit_panels_give_the_byte_layout_s_bits():
+    """Q6_K in gguf-q8 also as six-bit panels, read by passes over a row or two (where the build
+    has their tiles): two thirds of the bytes, the same integers, so every row's bits equal the
+    byte layout's, tiles and scalar reference alike, and Q8Linear's too whichever it reads."""
+    kernel = load_kernel()
+    rows, columns = 192, 1536
+    decoded = quantized.decode(random_blocks("Q6_K", rows, columns, seed=11), "Q6_K", rows)
+    assert quantized.has_six_bits(decoded)
+    wq = quantized.pack(decoded, vnni=True)
+    six = quantized.pack_six_bits(decoded)
+    assert six.shape[1] == kernel.quant_panel_bytes(quantized.SIX_BITS, 16, columns)
+    assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # the file's own size
+    assert wq.shape[1] * 8 / (PANEL * columns) == 10
+    bias = torch.randn(rows)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+    x[2, :32] = 0
+    module = quantized.Q8Linear.from_decoded(decoded, "Q6_K", bias, kernel)
+    assert (module.few_rows_weight is not None) == (kernel.q8_six_bit_rows() > 0)
+    for m in (1, 2, 3, 4, 5, 7, 13, 100):
+        expected = kernel.q8_linear(x[:m], wq, quantized.BYTES, 16, bias, False)
+        for reference in (False, True):
+            got = kernel.q8_linear(x[:m], six, quantized.SIX_BITS, 16, bias, reference)
+            assert torch.equal(got, expected), (m, reference)
+        assert torch.equal(module(x[:m]), expected)
+        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+    with pytest.raises(RuntimeError, match="q8 path only"):
+        kernel.quant_linear(x[:1], six, quantized.SIX_BITS, 16, bias)
 
 
 def test_q8_mode_needs_vnni(monkeypatch):

@@ -110,7 +110,7 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
     gguf, entry = local_cache
     assert not has_weights(entry) and (entry / "config.json").is_file()
     first = load_model(str(gguf), speed="gguf-q8", fused=False)
-    panels = entry / f"panels-gguf-q8-v{quantload.LAYOUT_VERSION}"
+    panels = entry / f"panels-gguf-q8-v{quantload.layout_version('gguf-q8')}"
     assert modelcache.entry_damage(panels, full=True) is None
     assert not (entry / FLOAT32_FOLDER).exists()  # a quantized mode made no float32 copy
 

@@ -92,6 +92,7 @@ void tile(const float* x, int64_t K, const float* wp, int64_t p0, int64_t k0, in
 constexpr int kNibbles = 0;
 constexpr int kBytes = 1;
 constexpr int kSuperNibbles = 2;
+constexpr int kSixBits = 3;  // mode gguf-q8 only: see SixBitLayout
 
 #ifndef SELFSPEC_QPREFETCH
 #define SELFSPEC_QPREFETCH 4096
@@ -145,6 +146,43 @@ struct Layout {
       scale = vload(header + v * kVec);
       offset = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
     }
+  }
+};
+
+// kSixBits (G = 16; Q6_K in mode gguf-q8, AVX2 builds): the file's 6.56 bits a weight instead of
+// kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low nibbles and
+// 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3) is lane j's
+// bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in low-nibble
+// vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are bits
+// 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
+struct SixBitLayout {
+  static constexpr int64_t kSuperHeader = 2 * kPanel;
+  static constexpr int64_t kGroupHeader = kPanel;
+  static constexpr int64_t kLowBytes = 8 * kPanel;
+  static constexpr int64_t kGroupBytes = kGroupHeader + kLowBytes + 4 * kPanel;
+  static constexpr int64_t kSuperGroups = 16;
+  static constexpr int64_t kSuperBytes = kSuperHeader + kSuperGroups * kGroupBytes;
+
+  static int64_t panel_bytes(int64_t K) { return K / 256 * kSuperBytes; }
+  static const uint8_t* super(const uint8_t* panel, int64_t gi) { return panel + gi / kSuperGroups * kSuperBytes; }
+  static const uint8_t* group(const uint8_t* panel, int64_t gi) {
+    return super(panel, gi) + kSuperHeader + gi % kSuperGroups * kGroupBytes;
+  }
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
+    const uint8_t* rec = group(panel, gi);
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+    return rec;
+  }
+  static void scale_array(const uint8_t* panel, int64_t gi, float* scale) {
+    for (int v = 0; v < kVecPerPanel; ++v)
+      vstore(scale + v * kVec, vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec)));
+  }
+  // u of lane j, k = kk of group record rec (past its header)
+  static int32_t u(const uint8_t* q, int j, int kk) {
+    const int t = kk / 4, b = j * 4 + kk % 4;
+    const int low = (q[t / 2 * 64 + b] >> (4 * (t % 2))) & 15;
+    return low | (((q[kLowBytes + b] >> (2 * t)) & 3) << 4);
   }
 };
 
@@ -322,6 +360,7 @@ torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, 
 template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
+  TORCH_CHECK(format != kSixBits, "six-bit panels are read by the q8 path only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});
@@ -331,8 +370,12 @@ auto with_format(int64_t format, int64_t group, F&& f) {
 }
 
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
-  const int64_t multiple = format == kSuperNibbles ? 256 : group;
+  const int64_t multiple = format == kSuperNibbles || format == kSixBits ? 256 : group;
   TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
+  if (format == kSixBits) {
+    TORCH_CHECK(group == 16, "six-bit panels hold groups of 16");
+    return SixBitLayout::panel_bytes(K);
+  }
   return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
 }
 

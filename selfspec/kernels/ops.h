@@ -57,6 +57,10 @@ inline torch::Tensor q8_linear_rows(const QuantizedRows& a, const torch::Tensor&
   const float* bp = bias_pointer(bias, N);
   auto y = torch::empty({M, N}, torch::dtype(torch::kFloat32));
   if (M == 0) return y;
+  if (format == kSixBits) {
+    q8_run_six(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp, reference);
+    return y;
+  }
   with_format(format, group, [&](auto f, auto g) {
     q8_run<decltype(f)::value, decltype(g)::value>(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp,
                                                    reference || !kHaveQ8Vector);
@@ -75,6 +79,8 @@ inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format
 }
 
 inline bool q8_vectorized() { return kHaveQ8Vector; }
+// Passes over at most this many rows read Q6_K's six-bit panels in mode gguf-q8 (0: none in this build).
+inline int64_t q8_six_bit_rows() { return kSixBitRows; }
 
 
 // q [B, Hq, M, D]; k, v [B, Hkv, L, D] (Hq a multiple of Hkv); mask None or [B|1, Hq|1, M, L], bool

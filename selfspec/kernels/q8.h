@@ -131,8 +131,36 @@ void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint
   }
 }
 
+// The same formula over six-bit panels (SixBitLayout): I = sum u * a - 32 * S, the integer the
+// byte layout gives (u = q + 32), so the same bits.
+inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
+                                  float* y, int64_t N, const float* bias) {
+  using L = SixBitLayout;
+  const int8_t* aq = a.q.data_ptr<int8_t>();
+  const float* ad = a.d.data_ptr<float>();
+  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[kPanel] = {};
+    for (int64_t g0 = 0; g0 < K; g0 += 16) {
+      alignas(64) float scale[kPanel];
+      L::scale_array(panel, g0 / 16, scale);
+      const uint8_t* q = L::group(panel, g0 / 16) + L::kGroupHeader;
+      const int8_t* am = aq + m * K + g0;
+      const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
+      const int32_t S = as[m * (K / 16) + g0 / 16];
+      for (int j = 0; j < kPanel; ++j) {
+        int32_t I = 0;
+        for (int kk = 0; kk < 16; ++kk) I += L::u(q, j, kk) * am[kk];
+        acc[j] = std::fma(static_cast<float>(I - 32 * S), scale[j] * d, acc[j]);
+      }
+    }
+    for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
+  }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr bool kHaveVnni = true;
+constexpr bool kHaveSixBitTiles = false;  // VNNI builds keep Q6_K in the byte layout
 
 // Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
 // every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
@@ -274,6 +302,37 @@ inline __m256i add_dot4(__m256i dot, __m256i w_u8, __m256i a_s8) {
 template <int FORMAT, int G>
 constexpr bool kSixBit = FORMAT == kBytes && G == 16;
 
+// A tile's rows of panel p (both halves), plus the bias, into y.
+template <int ROWS>
+inline void store_panel_rows(const __m256 (&acc)[ROWS][2], float* y, int64_t N, int64_t p, const float* bias) {
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = acc[r][h];
+      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + p * kPanel + h * 8));
+      _mm256_storeu_ps(y + r * N + p * kPanel + h * 8, out);
+    }
+}
+
+// Rows [0, ROWS) of a tile times two steps of six-bit weights (u = q + 32 in [0, 63], both halves
+// of the panel, steps t and t + 1): pair sums of both steps add up in int16 (at most
+// 4 * 63 * 127), then widen once into dot.
+template <int ROWS>
+inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, const int32_t* a_t,
+                         const int32_t* a_t1, __m256i (&dot)[ROWS][2]) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256i a0 = _mm256_set1_epi32(a_t[r]);
+    const __m256i a1 = _mm256_set1_epi32(a_t1[r]);
+    const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(u0a, a0), _mm256_maddubs_epi16(u1a, a1));
+    const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(u0b, a0), _mm256_maddubs_epi16(u1b, a1));
+    dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(pa, ones16));
+    dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(pb, ones16));
+  }
+}
+
 template <int FORMAT, int G, int ROWS>
 void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
                  const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
@@ -282,7 +341,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
   static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
   static_assert(!kSixBit<FORMAT, G> || kSteps % 2 == 0, "six-bit steps go in pairs");
   const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i six_bit_shift = _mm256_set1_epi8(96), ones16 = _mm256_set1_epi16(1);
+  const __m256i six_bit_shift = _mm256_set1_epi8(96);
   __m256 acc[ROWS][2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -304,15 +363,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
         const __m256i u0b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 1), six_bit_shift);
         const __m256i u1a = _mm256_sub_epi8(_mm256_loadu_si256(qt + 2), six_bit_shift);
         const __m256i u1b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 3), six_bit_shift);
-#pragma GCC unroll 16
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256i a0 = _mm256_set1_epi32(a_lo[t * M + r]);
-          const __m256i a1 = _mm256_set1_epi32(a_lo[(t + 1) * M + r]);
-          const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(u0a, a0), _mm256_maddubs_epi16(u1a, a1));
-          const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(u0b, a0), _mm256_maddubs_epi16(u1b, a1));
-          dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(pa, ones16));
-          dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(pb, ones16));
-        }
+        six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a_lo + t * M, a_lo + (t + 1) * M, dot);
       }
     }
 #pragma GCC unroll 8
@@ -363,14 +414,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       }
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 out = acc[r][h];
-      if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + p * kPanel + h * 8));
-      _mm256_storeu_ps(y + r * N + p * kPanel + h * 8, out);
-    }
+  store_panel_rows<ROWS>(acc, y, N, p, bias);
 }
 
 template <int FORMAT, int G>
@@ -391,8 +435,90 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
     tile(quads + m0, d_t + m0, static_cast<const uint8_t*>(sums) + 4 * m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
+
+// Six-bit panels (SixBitLayout): per pair of steps, u rebuilt from a low-nibble vector and the
+// group's high-pair vector (16-bit shifts bring bits 2t..2t+1 to bits 4..5; the mask drops what
+// crossed from the neighbouring byte), then the kSixBit tiles' arithmetic.
+template <int T>
+inline __m256i six_bit_high(__m256i h) {
+  if constexpr (T == 0) return _mm256_slli_epi16(h, 4);
+  if constexpr (T == 1) return _mm256_slli_epi16(h, 2);
+  if constexpr (T == 2) return h;
+  return _mm256_srli_epi16(h, 2);
+}
+
+template <int ROWS, int T>
+inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_t* a, int64_t M,
+                          __m256i (&dot)[ROWS][2]) {
+  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
+  const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64));
+  const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64 + 32));
+  const __m256i u0a = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_and_si256(six_bit_high<T>(ha), high2));
+  const __m256i u0b = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_and_si256(six_bit_high<T>(hb), high2));
+  const __m256i u1a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
+                                      _mm256_and_si256(six_bit_high<T + 1>(ha), high2));
+  const __m256i u1b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
+                                      _mm256_and_si256(six_bit_high<T + 1>(hb), high2));
+  six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a + T * M, a + (T + 1) * M, dot);
+}
+
+template <int ROWS>
+void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16, int64_t M, int64_t K,
+                     const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
+  using L = SixBitLayout;
+  __m256 acc[ROWS][2], d_super[2];
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += 16) {
+    const int64_t gi = g0 / 16;
+    if (gi % L::kSuperGroups == 0)
+      for (int h = 0; h < 2; ++h) d_super[h] = f16_to_vec(L::super(panel, gi) + 16 * h);
+    const uint8_t* rec = L::group_prefetching(panel, gi);
+    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8_to_vec(rec)), _mm256_mul_ps(d_super[1], i8_to_vec(rec + 8))};
+    const uint8_t* q = rec + L::kGroupHeader;
+    const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
+    const int32_t* a = quads + (g0 / 4) * M;
+    __m256i dot[ROWS][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    six_bit_steps<ROWS, 0>(q, ha, hb, a, M, dot);
+    six_bit_steps<ROWS, 2>(q, ha, hb, a, M, dot);
+    const float* dg = d_t + (g0 / kActBlock) * M;
+    const int32_t* sg = s16 + gi * M;
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 vd = _mm256_set1_ps(dg[r]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(32 * sg[r]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale[h], vd), acc[r][h]);
+      }
+    }
+  }
+  store_panel_rows<ROWS>(acc, y, N, p, bias);
+}
+
+inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
+                             float* y, int64_t N, const float* bias) {
+  constexpr int kRows = 4;
+  const int32_t* quads = a.quads.data_ptr<int32_t>();
+  const float* d_t = a.d_t.data_ptr<float>();
+  const int32_t* s16 = a.s16.data_ptr<int32_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    auto* tile = rows == 4   ? &q8six_tile_avx2<4>
+                 : rows == 3 ? &q8six_tile_avx2<3>
+                 : rows == 2 ? &q8six_tile_avx2<2>
+                             : &q8six_tile_avx2<1>;
+    tile(quads + m0, d_t + m0, s16 + m0, M, K, panel, p, y + m0 * N, N, bias);
+  }
+}
+
+constexpr bool kHaveSixBitTiles = true;
 #else
 constexpr bool kHaveVnni = false;
+constexpr bool kHaveSixBitTiles = false;
 #endif
 #if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
 constexpr bool kHaveQ8Vector = true;
@@ -426,5 +552,25 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
   });
 }
 
+// Six-bit panels: the AVX2 tiles, or the scalar reference. The tiles unpack each weight vector once
+// per 4 rows: worth it where a pass is memory-bound (a row or two), not in longer passes, which
+// read the byte layout instead (selfspec.quantized.Q8Linear keeps both; see q8_six_bit_rows).
+constexpr int64_t kSixBitRows = kHaveSixBitTiles ? 2 : 0;
+
+inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
+                       int64_t N, const float* bias, bool reference) {
+  const int64_t panel_bytes = SixBitLayout::panel_bytes(K);
+  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t p = g0 * kGroup; p < g1 * kGroup; ++p) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
+      if (!reference) {
+        q8six_panel_avx2(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+        continue;
+      }
+#endif
+      q8six_reference_panel(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+    }
+  });
+}
 
 }  // namespace selfspec
