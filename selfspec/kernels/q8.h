@@ -366,7 +366,9 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
         six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a_lo + t * M, a_lo + (t + 1) * M, dot);
       }
     }
-#pragma GCC unroll 8
+    // Not unrolled: with every step in view GCC computed all the products first and spilled
+    // them to the stack, a store and a load per product.
+#pragma GCC unroll 1
     for (int t = 0; t < kSteps && !kSixBit<FORMAT, G>; ++t) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64 + 32));
