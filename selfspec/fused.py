@@ -47,7 +47,6 @@ def _linear_ref(kernel, module: nn.Module):
         in_features=module.in_features,
         out_features=module.out_features,
         max_rows=KERNEL_MAX_ROWS,
-        few_rows_weight=getattr(module, "few_rows_weight", None),
     )
 
 

@@ -252,34 +252,35 @@ class QuantLinear(nn.Module):
         layout: tuple[int, int, str],
         bias: torch.Tensor | None,
         kernel,
-        few_rows: torch.Tensor | None = None,
     ):
-        """``panels``: [out_features / 16, bytes per panel] uint8 as ``pack`` lays them out;
-        ``layout``: (kernel format, group size, the file's type name); ``few_rows``: the same
-        weights in SIX_BITS panels (``pack_six_bits``), which gguf-q8 reads in passes over a
-        row or two (see ``Q8Linear``)."""
+        """``panels``: [out_features / 16, bytes per panel] uint8 as ``pack`` (or, format
+        SIX_BITS, ``pack_six_bits``) lays them out; ``layout``: (kernel format, group size, the
+        file's type name)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.kernel = kernel
         self.format, self.group, self.type_name = layout
         self.register_buffer("quant_weight", panels)
         self.register_buffer("bias", bias)
-        self.register_buffer("few_rows_weight", few_rows)
 
     @classmethod
     def wants_six_bits(cls, kernel) -> bool:
-        """Whether this mode keeps Q6_K's six-bit panels too (gguf-q8, where the build reads
-        them)."""
-        return cls.vnni and kernel.q8_six_bit_rows() > 0
+        """Whether this mode holds Q6_K as six-bit panels (gguf-q8, where the build has their
+        tiles)."""
+        return cls.vnni and kernel.q8_six_bits()
+
+    @classmethod
+    def lay_out(cls, decoded: Decoded, kernel) -> tuple[torch.Tensor, int, int]:
+        """(panels, kernel format, group size) of ``decoded`` in this mode."""
+        if cls.wants_six_bits(kernel) and has_six_bits(decoded):
+            return pack_six_bits(decoded), SIX_BITS, 16
+        return pack(decoded, vnni=cls.vnni), decoded.format, decoded.group
 
     @classmethod
     def from_decoded(cls, decoded: Decoded, type_name: str, bias: torch.Tensor | None, kernel):
         out_features, in_features = decoded.q.shape
-        panels = pack(decoded, vnni=cls.vnni)
-        six = cls.wants_six_bits(kernel) and has_six_bits(decoded)
-        few_rows = pack_six_bits(decoded) if six else None
-        layout = (decoded.format, decoded.group, type_name)
-        return cls(in_features, out_features, panels, layout, bias, kernel, few_rows)
+        panels, format, group = cls.lay_out(decoded, kernel)
+        return cls(in_features, out_features, panels, (format, group, type_name), bias, kernel)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
@@ -316,9 +317,10 @@ class QuantLinear(nn.Module):
 class Q8Linear(QuantLinear):
     """Speed mode gguf-q8: the file's integers times the activations rounded to 8 bits per 32
     values, summed with integer dot products (AVX-512 VNNI, or AVX2's vpmaddubsw), as llama.cpp
-    does. Not the float32 model's
-    numerics, so not its logits; every pass, prefill included, runs the same per-row arithmetic, so
-    speculation in this mode is still identical to plain decoding in this mode."""
+    does. Not the float32 model's numerics, so not its logits; every pass, prefill included, runs
+    the same per-row arithmetic, so speculation in this mode is still identical to plain decoding
+    in this mode. On AVX2 builds Q6_K layers hold six-bit panels (the file's 6.56 bits a weight
+    instead of the byte layout's 10; the same integers, so the same bits)."""
 
     vnni = True
 
@@ -329,10 +331,8 @@ class Q8Linear(QuantLinear):
         n = out_features or self.out_features
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
-        weight, fmt = self.quant_weight, self.format
-        if self.few_rows_weight is not None and rows.shape[0] <= self.kernel.q8_six_bit_rows():
-            weight, fmt = self.few_rows_weight, SIX_BITS  # memory-bound: fewer bytes win
-        out = self.kernel.q8_linear(rows, weight[: n // PANEL], fmt, self.group, bias, False)
+        weight = self.quant_weight[: n // PANEL]
+        out = self.kernel.q8_linear(rows, weight, self.format, self.group, bias, False)
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

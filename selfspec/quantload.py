@@ -30,14 +30,11 @@ from selfspec.kernels import PANEL, load_kernel
 from selfspec.modelcache import MARKER_FILE, build_entry
 from selfspec.paths import cache_dir
 from selfspec.quantized import (
-    BYTES,
     Q8Linear,
     QuantLinear,
     decode,
     decode_rows,
     linear_sources,
-    pack,
-    pack_six_bits,
     swap_module,
 )
 from selfspec.skeleton import CausalLM, build_skeleton
@@ -45,7 +42,7 @@ from selfspec.skeleton import CausalLM, build_skeleton
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
-SIX_BIT_LAYOUT_VERSION = 3  # gguf-q8 with six-bit Q6_K panels beside the bytes
+SIX_BIT_LAYOUT_VERSION = 4  # gguf-q8 with Q6_K as six-bit panels only (v3 held the bytes too)
 
 
 def layout_version(mode: str) -> int:
@@ -100,9 +97,9 @@ def load_quantized(
     panels = _panels(Path(folder), mode, model, sources, cls)
     for module_name, _, _ in sources:
         linear = model.get_submodule(module_name)
-        data, layout, few_rows = panels[module_name]
+        data, layout = panels[module_name]
         bias = linear.bias.detach() if linear.bias is not None else None
-        quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel, few_rows)
+        quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel)
         swap_module(model, module_name, quant)
     _swap_embedding(model, gguf)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -235,31 +232,30 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
 
 
 def _build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:
-    """Decode and pack every layer, a slice of rows at a time, appending to one file: memory
-    holds one slice, not the model. Q6_K layers of gguf-q8 get their six-bit panels as well."""
+    """Decode and lay out every layer, a slice of rows at a time, appending to one file: memory
+    holds one slice, not the model."""
     index = {}
-    six_bits = cls.wants_six_bits(load_kernel())
+    kernel = load_kernel()
     bar = progress_bar(len(sources), "laying out quantized weights", unit="layer")
     with open(out / PANELS_FILE, "wb") as fh:
         for module_name, _, tensor in sources:
-            entry, layout = _append_panels(fh, model, tensor, lambda d: pack(d, vnni=cls.vnni))
-            index[module_name] = {**entry, "layout": layout}
-            if six_bits and layout[:2] == [BYTES, 16] and tensor.type_name == "Q6_K":
-                index[module_name]["few_rows"], _ = _append_panels(fh, model, tensor, pack_six_bits)
+            index[module_name] = _append_panels(fh, model, tensor, cls, kernel)
             bar.update(1)
     bar.close()
     (out / INDEX_FILE).write_text(json.dumps(index))
 
 
-def _append_panels(fh, model: nn.Module, tensor: GGUFTensor, lay_out) -> tuple[dict, list]:
-    """``tensor`` laid out by ``lay_out`` at the end of ``fh``, page-aligned: (where, layout)."""
+def _append_panels(fh, model: nn.Module, tensor: GGUFTensor, cls, kernel) -> dict:
+    """``tensor`` laid out for ``cls`` at the end of ``fh``, page-aligned: where, and its layout
+    (kernel format, group size, the file's type name)."""
     fh.write(b"\0" * (-fh.tell() % _ALIGN))
     offset = fh.tell()
     for first in range(0, tensor.rows, _CHUNK_ROWS):
         decoded = decode_rows(model, tensor, first, min(tensor.rows, first + _CHUNK_ROWS))
-        lay_out(decoded).numpy().tofile(fh)
+        panels, format, group = cls.lay_out(decoded, kernel)
+        panels.numpy().tofile(fh)
     where = {"offset": offset, "bytes": fh.tell() - offset, "panels": tensor.rows // PANEL}
-    return where, [decoded.format, decoded.group, tensor.type_name]
+    return {**where, "layout": [format, group, tensor.type_name]}
 
 
 def _map_panels(entry: Path) -> dict:
@@ -270,7 +266,4 @@ def _map_panels(entry: Path) -> dict:
     def view(r: dict) -> torch.Tensor:
         return storage[r["offset"] : r["offset"] + r["bytes"]].view(r["panels"], -1)
 
-    return {
-        name: (view(r), tuple(r["layout"]), view(r["few_rows"]) if "few_rows" in r else None)
-        for name, r in index.items()
-    }
+    return {name: (view(r), tuple(r["layout"])) for name, r in index.items()}

@@ -112,9 +112,9 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
 
 @needs_kernel
 def test_six_bit_panels_give_the_byte_layout_s_bits():
-    """Q6_K in gguf-q8 also as six-bit panels, read by passes over a row or two (where the build
-    has their tiles): two thirds of the bytes, the same integers, so every row's bits equal the
-    byte layout's, tiles and scalar reference alike, and Q8Linear's too whichever it reads."""
+    """Q6_K in gguf-q8 as six-bit panels (where the build has their tiles): two thirds of the
+    bytes, the same integers, so every row's bits equal the byte layout's, tiles and scalar
+    reference alike, and Q8Linear's, which holds them, too."""
     kernel = load_kernel()
     rows, columns = 192, 1536
     decoded = quantized.decode(random_blocks("Q6_K", rows, columns, seed=11), "Q6_K", rows)
@@ -129,7 +129,8 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[2, :32] = 0
     module = quantized.Q8Linear.from_decoded(decoded, "Q6_K", bias, kernel)
-    assert (module.few_rows_weight is not None) == (kernel.q8_six_bit_rows() > 0)
+    assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
+    assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
     for m in (1, 2, 3, 4, 5, 7, 13, 100):
         expected = kernel.q8_linear(x[:m], wq, quantized.BYTES, 16, bias, False)
         for reference in (False, True):

@@ -27,17 +27,13 @@ struct LinearRef {
   c10::optional<torch::Tensor> bias;
   int64_t in_features, out_features;
   int64_t max_rows;  // passes over more rows (prefill) use BLAS on float32 panels
-  c10::optional<torch::Tensor> few_rows_weight;  // q8: Q6_K's six-bit panels, for q8_six_bit_rows rows
 
   // y = x W^T + b for x [M, K]; ``rows``: x already rounded to 8 bits (q8 only).
   torch::Tensor forward(const torch::Tensor& x, const QuantizedRows* rows = nullptr) const {
     const int64_t M = x.size(0);
     if (kind == kQ8Kind) {
-      const bool six = few_rows_weight.has_value() && few_rows_weight->defined() && M <= kSixBitRows;
-      const torch::Tensor& w = six ? *few_rows_weight : weight;
-      const int64_t f = six ? kSixBits : format;
-      if (rows != nullptr) return q8_linear_rows(*rows, w, f, group, bias, false);
-      return q8_linear(x, w, f, group, bias, false);
+      if (rows != nullptr) return q8_linear_rows(*rows, weight, format, group, bias, false);
+      return q8_linear(x, weight, format, group, bias, false);
     }
     if (M <= max_rows) {
       return kind == kPackedKind ? packed_linear(x, weight, bias) : quant_linear(x, weight, format, group, bias);

@@ -17,16 +17,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_per_group", &panels_per_group, "panel count granularity");
   m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
   m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
-  m.def("q8_six_bit_rows", &q8_six_bit_rows, "passes over at most this many rows read Q6_K's six-bit panels (0: none)");
+  m.def("q8_six_bits", &q8_six_bits, "whether gguf-q8 holds Q6_K as six-bit panels in this build (AVX2 without VNNI)");
   m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has a vector path (AVX-512 VNNI or AVX2) in this build");
   m.def("rms_norm", [](torch::Tensor h, torch::Tensor w, double eps) { return rms_norm(h.contiguous(), w, eps); },
         "x / sqrt(mean(x^2) + eps) * w, row by row");
   py::class_<LinearRef>(m, "LinearRef")
       .def(py::init<int64_t, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>, int64_t, int64_t,
-                    int64_t, c10::optional<torch::Tensor>>(),
+                    int64_t>(),
            py::arg("kind"), py::arg("weight"), py::arg("format"), py::arg("group"), py::arg("bias"),
-           py::arg("in_features"), py::arg("out_features"), py::arg("max_rows"),
-           py::arg("few_rows_weight") = py::none())
+           py::arg("in_features"), py::arg("out_features"), py::arg("max_rows"))
       .def("__call__", [](const LinearRef& l, torch::Tensor x) { return l.forward(x.contiguous()); });
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init<torch::Tensor, torch::Tensor, double, LinearRef, LinearRef, LinearRef, LinearRef, LinearRef,

@@ -80,7 +80,7 @@ inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format
 
 inline bool q8_vectorized() { return kHaveQ8Vector; }
 // Passes over at most this many rows read Q6_K's six-bit panels in mode gguf-q8 (0: none in this build).
-inline int64_t q8_six_bit_rows() { return kSixBitRows; }
+inline bool q8_six_bits() { return kHaveSixBitTiles; }
 
 
 // q [B, Hq, M, D]; k, v [B, Hkv, L, D] (Hq a multiple of Hkv); mask None or [B|1, Hq|1, M, L], bool

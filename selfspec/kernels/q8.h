@@ -555,9 +555,9 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
 }
 
 // Six-bit panels: the AVX2 tiles, or the scalar reference. The tiles unpack each weight vector once
-// per 4 rows: worth it where a pass is memory-bound (a row or two), not in longer passes, which
-// read the byte layout instead (selfspec.quantized.Q8Linear keeps both; see q8_six_bit_rows).
-constexpr int64_t kSixBitRows = kHaveSixBitTiles ? 2 : 0;
+// per 4 rows. Memory-bound passes (a row or two) gain from the fewer bytes; longer ones pay for
+// the unpacking (10-20% more than the byte layout's tiles on Q6_K), which gguf-q8 accepts for
+// holding Q6_K in two thirds of the memory (see selfspec.quantized.Q8Linear).
 
 inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
                        int64_t N, const float* bias, bool reference) {
