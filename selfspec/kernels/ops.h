@@ -79,7 +79,7 @@ inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format
 }
 
 inline bool q8_vectorized() { return kHaveQ8Vector; }
-// Passes over at most this many rows read Q6_K's six-bit panels in mode gguf-q8 (0: none in this build).
+// Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the AVX2 tiles; not VNNI builds).
 inline bool q8_six_bits() { return kHaveSixBitTiles; }
 
 

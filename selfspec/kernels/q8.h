@@ -291,17 +291,6 @@ inline __m256i add_dot4(__m256i dot, __m256i w_u8, __m256i a_s8) {
   return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, a_s8), _mm256_set1_epi16(1)));
 }
 
-// Rows [0, ROWS) times one panel over all of K, both halves (8 lanes each) of the panel at once:
-// each weight vector is read and unpacked once for every row of the tile.
-// Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
-// (the reference's sum (q + 128) * a - 128 * S, the same integer).
-//
-// Q6_K (the byte format with groups of 16) holds q in [-32, 31]: u = q + 32 = stored - 96 fits in
-// 6 bits, so u * a needs no sign trick, two steps' pair sums add up in int16 (at most
-// 4 * 63 * 127) and I = sum u * a - 32 * S: the same integer, fewer instructions per row.
-template <int FORMAT, int G>
-constexpr bool kSixBit = FORMAT == kBytes && G == 16;
-
 // A tile's rows of panel p (both halves), plus the bias, into y.
 template <int ROWS>
 inline void store_panel_rows(const __m256 (&acc)[ROWS][2], float* y, int64_t N, int64_t p, const float* bias) {
@@ -316,8 +305,8 @@ inline void store_panel_rows(const __m256 (&acc)[ROWS][2], float* y, int64_t N, 
 }
 
 // Rows [0, ROWS) of a tile times two steps of six-bit weights (u = q + 32 in [0, 63], both halves
-// of the panel, steps t and t + 1): pair sums of both steps add up in int16 (at most
-// 4 * 63 * 127), then widen once into dot.
+// of the panel, steps t and t + 1): u * a needs no sign trick, and the pair sums of both steps add
+// up in int16 (at most 4 * 63 * 127), then widen once into dot.
 template <int ROWS>
 inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, const int32_t* a_t,
                          const int32_t* a_t1, __m256i (&dot)[ROWS][2]) {
@@ -333,15 +322,18 @@ inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, con
   }
 }
 
+// Rows [0, ROWS) times one panel over all of K, both halves (8 lanes each) of the panel at once:
+// each weight vector is read and unpacked once for every row of the tile.
+// Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
+// (the reference's sum (q + 128) * a - 128 * S, the same integer). Q6_K comes as six-bit panels
+// (q8six_tile_avx2 below) on the builds that have these tiles.
 template <int FORMAT, int G, int ROWS>
-void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
+void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int64_t M, int64_t K,
                  const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
   constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;
   static_assert(!L::kNibbleQ || G <= 32, "int16 pair sums would overflow");
-  static_assert(!kSixBit<FORMAT, G> || kSteps % 2 == 0, "six-bit steps go in pairs");
   const __m256i low4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i six_bit_shift = _mm256_set1_epi8(96);
   __m256 acc[ROWS][2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -355,21 +347,10 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    if constexpr (kSixBit<FORMAT, G>) {
-#pragma GCC unroll 4
-      for (int t = 0; t < kSteps; t += 2) {
-        const __m256i* qt = reinterpret_cast<const __m256i*>(q + t * 64);
-        const __m256i u0a = _mm256_sub_epi8(_mm256_loadu_si256(qt), six_bit_shift);
-        const __m256i u0b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 1), six_bit_shift);
-        const __m256i u1a = _mm256_sub_epi8(_mm256_loadu_si256(qt + 2), six_bit_shift);
-        const __m256i u1b = _mm256_sub_epi8(_mm256_loadu_si256(qt + 3), six_bit_shift);
-        six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a_lo + t * M, a_lo + (t + 1) * M, dot);
-      }
-    }
     // Not unrolled: with every step in view GCC computed all the products first and spilled
     // them to the stack, a store and a load per product.
 #pragma GCC unroll 1
-    for (int t = 0; t < kSteps && !kSixBit<FORMAT, G>; ++t) {
+    for (int t = 0; t < kSteps; ++t) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64));
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * 64 + 32));
       if constexpr (L::kNibbleQ) {
@@ -399,8 +380,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       }
     }
     const float* dg = d_t + (g0 / kActBlock) * M;
-    const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
-    const int32_t* sg = static_cast<const int32_t*>(group_sums) + (g0 / G) * M;  // S per 16 k
+    const float* cg = ds32 + (g0 / G) * M;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -408,7 +388,6 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const void* group_sums,
       for (int h = 0; h < 2; ++h) {
         __m256i I = dot[r][h];
         if constexpr (L::kNibbleQ) I = _mm256_madd_epi16(I, _mm256_set1_epi16(1));
-        if constexpr (kSixBit<FORMAT, G>) I = _mm256_sub_epi32(I, _mm256_set1_epi32(32 * sg[r]));
         const __m256 scale = _mm256_load_ps(scales + h * 8);
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale, vd), acc[r][h]);
         if constexpr (FORMAT != kBytes)
@@ -425,22 +404,20 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   constexpr int kRows = 4;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
-  // d * S per 32 k (the nibble formats' offsets) or, for six-bit bytes, S per 16 k
-  const void* sums = kSixBit<FORMAT, G> ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
-                                         : static_cast<const void*>(a.ds32.data_ptr<float>());
+  const float* ds32 = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
                  : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
                  : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
                              : &q8tile_avx2<FORMAT, G, 1>;
-    tile(quads + m0, d_t + m0, static_cast<const uint8_t*>(sums) + 4 * m0, M, K, panel, p, y + m0 * N, N, bias);
+    tile(quads + m0, d_t + m0, ds32 + m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 
 // Six-bit panels (SixBitLayout): per pair of steps, u rebuilt from a low-nibble vector and the
 // group's high-pair vector (16-bit shifts bring bits 2t..2t+1 to bits 4..5; the mask drops what
-// crossed from the neighbouring byte), then the kSixBit tiles' arithmetic.
+// crossed from the neighbouring byte), then six_bit_rows.
 template <int T>
 inline __m256i six_bit_high(__m256i h) {
   if constexpr (T == 0) return _mm256_slli_epi16(h, 4);
@@ -555,10 +532,8 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
 }
 
 // Six-bit panels: the AVX2 tiles, or the scalar reference. The tiles unpack each weight vector once
-// per 4 rows. Memory-bound passes (a row or two) gain from the fewer bytes; longer ones pay for
-// the unpacking (10-20% more than the byte layout's tiles on Q6_K), which gguf-q8 accepts for
-// holding Q6_K in two thirds of the memory (see selfspec.quantized.Q8Linear).
-
+// per 4 rows. Passes gain from the fewer bytes while memory-bound; over 16 rows and more the
+// unpacking costs a little more than the bytes save (README: the 2026-11-24 kernel changes).
 inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
                        int64_t N, const float* bias, bool reference) {
   const int64_t panel_bytes = SixBitLayout::panel_bytes(K);
