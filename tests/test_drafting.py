@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from selfspec.adaptation import SpeedGuard
-from selfspec.drafters import AdaptiveDrafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters import (
+    AdaptiveDrafter,
+    Draft,
+    DraftRequest,
+    DraftSettings,
+    RoundOutcome,
+)
 from selfspec.drafters.adaptive import Acceptance, PassCosts
 from selfspec.drafters.ngram import ContextIndex
 from selfspec.sampling import Sampling
@@ -63,6 +69,33 @@ def test_pass_costs_interpolate_and_extrapolate():
     assert costs.verify_cost(7) == pytest.approx(0.28)  # the last two's slope: 0.04 per row
 
 
+def test_pass_costs_are_multiples_of_a_plain_step():
+    """Longer passes are timed rarely, plain steps often: when the machine slows down, what a
+    longer pass is believed to cost follows the fresh plain steps instead of staying stale."""
+    costs = PassCosts()
+    costs.record(RoundOutcome(0, 0, 0.0, 0.10), steps=0)
+    costs.record(RoundOutcome(2, 0, 0.06, 0.13), steps=2)  # 3 rows: 1.3 plain steps
+    assert costs.verify_cost(3) == pytest.approx(0.13) and costs.draft_step == pytest.approx(0.03)
+    for _ in range(30):
+        costs.record(RoundOutcome(0, 0, 0.0, 0.20), steps=0)  # the machine is now twice as slow
+    assert costs.verify_cost(3) == pytest.approx(0.26, rel=1e-3)
+    assert costs.draft_step == pytest.approx(0.06, rel=1e-3)
+    # A noisy low timing never makes a longer pass look cheaper than a shorter one.
+    costs.record(RoundOutcome(4, 0, 0.0, 0.10), steps=0)
+    assert costs.verify_cost(5) >= costs.verify_cost(4) >= costs.verify_cost(3)
+
+
+def test_carried_over_acceptance_keeps_its_rate_but_yields_to_new_text():
+    a = Acceptance(4)
+    for _ in range(40):
+        a.record(drafted=1, accepted=1)
+    a.carry_over(weight=4.0)
+    assert a.tried[0] == 4.0 and a.rate(0) > 0.8  # the rate stands, as a few rounds' worth
+    for _ in range(6):
+        a.record(drafted=1, accepted=0)  # the new text does not repeat: a few misses outweigh it
+    assert a.rate(0) < 0.5
+
+
 def test_acceptance_is_conditional_on_the_prefix():
     a = Acceptance(4)
     for _ in range(50):
@@ -93,6 +126,53 @@ def test_drafts_only_when_the_measured_costs_say_it_pays():
         if not draft.tokens:
             break
     assert draft.tokens == []
+
+
+class CountingSkipDrafter:
+    """Stands in for a layer-skip drafter in planning tests: drafts token 1, counts its calls."""
+
+    plan = None
+    last_steps = 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def begin(self, prompt_ids, max_len, settings):
+        pass
+
+    def draft(self, request):
+        self.calls += 1
+        self.last_steps = request.max_tokens
+        return Draft([1] * request.max_tokens)
+
+    def observe(self, outcome):
+        pass
+
+
+def test_layer_skip_is_not_probed_where_it_cannot_pay():
+    """A probe of layer-skip drafting costs real draft steps: where a draft step plus a longer
+    verify pass cost more than the tokens could earn even if all were kept, it is not made."""
+
+    def probes(draft_seconds):
+        skip = CountingSkipDrafter()
+        drafter = AdaptiveDrafter(vocab=100, layer_skip=skip)
+        drafter.begin([1], 4096, DraftSettings(fallback=False))
+        drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+        for _ in range(2000):
+            k = len(round_of(drafter, [5, 6, 7]).tokens)
+            # Drafts are all rejected; a pass over k + 1 rows costs 1 + 0.15 k plain steps.
+            seconds = 0.100 * (1 + 0.15 * k)
+            drafter.observe(
+                RoundOutcome(k, 0, k * draft_seconds, seconds, "layer_skip" if k else "")
+            )
+        return skip.calls
+
+    # 0.8 of a plain step: even drafts all kept would earn less than plain steps. Only the first
+    # probe (nothing measured yet) is made.
+    assert probes(0.080) == 1
+    # Cheap steps: after the first tries (the prior still hopes) probes recur, spaced out more each
+    # time they disappoint (gaps 48, 96, ... 768).
+    assert 5 <= probes(0.010) <= 12
 
 
 def test_the_guard_pauses_slow_drafting_and_tries_again():

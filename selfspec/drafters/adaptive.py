@@ -29,20 +29,32 @@ _PRIOR_ACCEPTANCE = 0.6  # what a kind of draft is assumed to achieve before it 
 _PRIOR_WEIGHT = 2.0  # in rounds
 _ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
 _PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
+_MAX_PROBE_GAP = 16 * _PROBE_EVERY
 _GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
 # Layer-skip rounds cost more than their timed steps say (the draft's own overhead, cache rows it
 # rewrites) and their estimate is noisier: they must promise more.
 _SKIP_MARGIN = 1.10
 _DECAY = 0.97  # per round, the weight of what was measured before
+# At most this many rounds of earlier generations' acceptance carry into a new one: how often a
+# kind of draft is kept depends on the text (a summary copies its source, a rewrite does not), so
+# a few rounds of the new text must be able to outweigh it.
+_CARRY_WEIGHT = 4.0
+_PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts this many
 
 
 class PassCosts:
-    """Seconds of verify passes by row count, and of layer-skip draft steps, timed in this
-    generation."""
+    """What verify passes and layer-skip draft steps cost in this generation's stream.
+
+    A plain step (a verify pass over one row) is timed often; longer passes and draft steps are
+    timed only when drafted. A VM's speed drifts by up to 2x within minutes, so those are kept as
+    multiples of the plain step timed around them: a stale multiple stays true when the machine
+    slows down or speeds up, a stale time would not.
+    """
 
     def __init__(self) -> None:
-        self.verify: dict[int, float] = {}
-        self.draft_step: float | None = None
+        self.plain: float | None = None  # seconds of a verify pass over one row
+        self.ratio: dict[int, float] = {}  # rows > 1 -> that pass's seconds / a plain step's
+        self.draft_ratio: float | None = None  # a layer-skip draft step / a plain step
         self._estimates: dict[int, float | None] = {}  # verify_cost answers since the last record
 
     @staticmethod
@@ -51,39 +63,52 @@ class PassCosts:
 
     def record(self, outcome: RoundOutcome, steps: int) -> None:
         self._estimates.clear()
-        if outcome.verify_seconds > 0:
-            self.verify[outcome.rows] = self._ema(
-                self.verify.get(outcome.rows), outcome.verify_seconds
-            )
+        if outcome.verify_seconds <= 0:
+            return
+        if outcome.rows == 1:
+            self.plain = self._ema(self.plain, outcome.verify_seconds)
+            return
+        # Before a plain step is timed, the pass itself stands in for one.
+        plain = self.plain or outcome.verify_seconds
+        self.ratio[outcome.rows] = self._ema(
+            self.ratio.get(outcome.rows), outcome.verify_seconds / plain
+        )
         if steps and outcome.draft_seconds > 0:
-            self.draft_step = self._ema(self.draft_step, outcome.draft_seconds / steps)
+            self.draft_ratio = self._ema(self.draft_ratio, outcome.draft_seconds / steps / plain)
+
+    @property
+    def draft_step(self) -> float | None:
+        if self.draft_ratio is None or self.plain is None:
+            return None
+        return self.draft_ratio * self.plain
 
     def verify_cost(self, rows: int) -> float | None:
+        """Seconds of a verify pass over ``rows`` rows (None before a plain step is timed)."""
+        if self.plain is None:
+            return None
         if rows not in self._estimates:
-            self._estimates[rows] = self._estimate(rows)
+            self._estimates[rows] = self.plain * self._ratio(rows)
         return self._estimates[rows]
 
-    def _estimate(self, rows: int) -> float | None:
+    def _ratio(self, rows: int) -> float:
         """Interpolated between timed row counts; past them, the slope of the last two (or a
-        prior)."""
-        if rows in self.verify:
-            return self.verify[rows]
-        known = sorted(self.verify)
-        if not known:
-            return None
-        below = [r for r in known if r < rows]
+        prior). Never below a pass over fewer rows: a noisy timing must not make longer drafts
+        look cheaper."""
+        known = {1: 1.0, **self.ratio}
+        floor = max(v for r, v in known.items() if r <= rows)
+        if rows in known:
+            return max(known[rows], floor)
+        below = max(r for r in known if r < rows)
         above = [r for r in known if r > rows]
-        if below and above:
-            lo, hi = below[-1], above[0]
-            w = (rows - lo) / (hi - lo)
-            return (1 - w) * self.verify[lo] + w * self.verify[hi]
-        base = self.verify[known[0]] if not below else self.verify[below[-1]]
-        slope = _ROW_COST_PRIOR * self.verify[known[0]]
-        if len(known) >= 2 and below:
-            a, b = known[-2], known[-1]
-            slope = max(slope * 0.5, (self.verify[b] - self.verify[a]) / (b - a))
-        anchor = below[-1] if below else known[0]
-        return base + slope * (rows - anchor)
+        if above:
+            hi = min(above)
+            w = (rows - below) / (hi - below)
+            return max(floor, (1 - w) * known[below] + w * known[hi])
+        slope = _ROW_COST_PRIOR
+        if len(known) >= 2:
+            a, b = sorted(known)[-2:]
+            slope = max(slope * 0.5, (known[b] - known[a]) / (b - a))
+        return max(floor, known[below] + slope * (rows - below))
 
 
 class Acceptance:
@@ -106,6 +131,14 @@ class Acceptance:
                 break
             self.tried[i] += 1
             self.kept[i] += i < accepted
+
+    def carry_over(self, weight: float = _CARRY_WEIGHT) -> None:
+        """A new generation begins: what earlier ones measured keeps its rates but counts as at
+        most ``weight`` rounds."""
+        for i, tried in enumerate(self.tried):
+            if tried > weight:
+                self.kept[i] *= weight / tried
+                self.tried[i] = weight
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a round emits when it drafts k: the target's own token plus the kept prefix."""
@@ -159,6 +192,8 @@ class AdaptiveDrafter(Drafter):
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
         self.index.reset()
+        for acceptance in (self.skip, *self.ngram.values()):
+            acceptance.carry_over()
         if self.layer_skip is not None:
             self.layer_skip.begin(prompt_ids, max_len, settings)
 
@@ -206,17 +241,21 @@ class AdaptiveDrafter(Drafter):
     def _layer_skip_draft(self, request: DraftRequest, limit: int) -> Draft:
         if self.layer_skip is None:
             return Draft()
-        k = 0
-        if self.costs.draft_step is not None:
-            k = self._best_length(self.skip, limit, self.costs.draft_step, _SKIP_MARGIN)
+        step = self.costs.draft_step
+        k = 0 if step is None else self._best_length(self.skip, limit, step, _SKIP_MARGIN)
         if k:
             self.probe_gap = _PROBE_EVERY
         elif self.rounds >= self.next_skip_probe:
             # Believed unprofitable (or never measured): try it anyway now and then, less often
-            # each time it disappoints, so an early bad estimate is never final.
-            k = min(limit, 3)
+            # each time it disappoints, so an early bad estimate is never final. Where even drafts
+            # that were all kept would not pay at the timed costs, only a change of costs could
+            # help: try again after the longest gap.
+            k = min(limit, _PROBE_TOKENS)
+            if step is not None and not self._could_pay(limit, step):
+                self.probe_gap = _MAX_PROBE_GAP
+                k = 0
             self.next_skip_probe = self.rounds + self.probe_gap
-            self.probe_gap = min(16 * _PROBE_EVERY, 2 * self.probe_gap)
+            self.probe_gap = min(_MAX_PROBE_GAP, 2 * self.probe_gap)
         if not k:
             return Draft()
         sub = DraftRequest(request.committed, k, request.sampling, request.generator)
@@ -224,6 +263,16 @@ class AdaptiveDrafter(Drafter):
         self._steps = self.layer_skip.last_steps
         draft.source = "layer_skip"
         return draft
+
+    def _could_pay(self, limit: int, step: float) -> bool:
+        """Whether some draft length would beat a plain step if every drafted token were kept."""
+        plain = self.costs.verify_cost(1)
+        if plain is None:
+            return True
+        return any(
+            (k + 1) / (self.costs.verify_cost(k + 1) + k * step) > _SKIP_MARGIN / plain
+            for k in range(1, limit + 1)
+        )
 
     def observe(self, outcome: RoundOutcome) -> None:
         # The confidence threshold is the layer-skip drafter's: only its rounds move it.
