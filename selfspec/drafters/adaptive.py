@@ -10,6 +10,9 @@ unprofitable is tried again now and then, so an early bad estimate is never fina
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING
 
 from selfspec.drafters.base import (
@@ -39,7 +42,23 @@ _DECAY = 0.97  # per round, the weight of what was measured before
 # kind of draft is kept depends on the text (a summary copies its source, a rewrite does not), so
 # a few rounds of the new text must be able to outweigh it.
 _CARRY_WEIGHT = 4.0
+_COST_WINDOW = 9  # timed passes a cost estimate is the median of
 _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts this many
+
+
+class RecentMedian:
+    """The median of the last few samples: a pass's time on a busy machine has a long right tail
+    (another process, a page fault), and a mean, even a moving one, follows each spike."""
+
+    def __init__(self, size: int = _COST_WINDOW):
+        self.samples: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self.samples.append(value)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
 
 
 class PassCosts:
@@ -48,33 +67,42 @@ class PassCosts:
     A plain step (a verify pass over one row) is timed often; longer passes and draft steps are
     timed only when drafted. A VM's speed drifts by up to 2x within minutes, so those are kept as
     multiples of the plain step timed around them: a stale multiple stays true when the machine
-    slows down or speeds up, a stale time would not.
+    slows down or speeds up, a stale time would not. Each is the median of its last few samples.
     """
 
     def __init__(self) -> None:
-        self.plain: float | None = None  # seconds of a verify pass over one row
-        self.ratio: dict[int, float] = {}  # rows > 1 -> that pass's seconds / a plain step's
-        self.draft_ratio: float | None = None  # a layer-skip draft step / a plain step
+        self._plain = RecentMedian()  # seconds of a verify pass over one row
+        self._ratios: dict[int, RecentMedian] = {}  # rows > 1: seconds / a plain step's
+        self._draft_ratio = RecentMedian()  # a layer-skip draft step / a plain step
         self._estimates: dict[int, float | None] = {}  # verify_cost answers since the last record
+        self._known: dict[int, float] | None = None  # _monotone(), since the last record
 
-    @staticmethod
-    def _ema(old: float | None, new: float, keep: float = 0.7) -> float:
-        return new if old is None else keep * old + (1 - keep) * new
+    @property
+    def plain(self) -> float | None:
+        return self._plain.value
+
+    @property
+    def ratio(self) -> dict[int, float]:
+        """Rows > 1 -> what a pass over that many rows costs, in plain steps."""
+        return {rows: median.value for rows, median in self._ratios.items()}
+
+    @property
+    def draft_ratio(self) -> float | None:
+        return self._draft_ratio.value
 
     def record(self, outcome: RoundOutcome, steps: int) -> None:
         self._estimates.clear()
+        self._known = None
         if outcome.verify_seconds <= 0:
             return
         if outcome.rows == 1:
-            self.plain = self._ema(self.plain, outcome.verify_seconds)
+            self._plain.add(outcome.verify_seconds)
             return
         # Before a plain step is timed, the pass itself stands in for one.
         plain = self.plain or outcome.verify_seconds
-        self.ratio[outcome.rows] = self._ema(
-            self.ratio.get(outcome.rows), outcome.verify_seconds / plain
-        )
+        self._ratios.setdefault(outcome.rows, RecentMedian()).add(outcome.verify_seconds / plain)
         if steps and outcome.draft_seconds > 0:
-            self.draft_ratio = self._ema(self.draft_ratio, outcome.draft_seconds / steps / plain)
+            self._draft_ratio.add(outcome.draft_seconds / steps / plain)
 
     @property
     def draft_step(self) -> float | None:
@@ -92,23 +120,37 @@ class PassCosts:
 
     def _ratio(self, rows: int) -> float:
         """Interpolated between timed row counts; past them, the slope of the last two (or a
-        prior). Never below a pass over fewer rows: a noisy timing must not make longer drafts
-        look cheaper."""
-        known = {1: 1.0, **self.ratio}
-        floor = max(v for r, v in known.items() if r <= rows)
+        prior)."""
+        if self._known is None:
+            self._known = self._monotone()
+        known = self._known
         if rows in known:
-            return max(known[rows], floor)
+            return known[rows]
         below = max(r for r in known if r < rows)
         above = [r for r in known if r > rows]
         if above:
             hi = min(above)
             w = (rows - below) / (hi - below)
-            return max(floor, (1 - w) * known[below] + w * known[hi])
+            return (1 - w) * known[below] + w * known[hi]
         slope = _ROW_COST_PRIOR
         if len(known) >= 2:
             a, b = sorted(known)[-2:]
             slope = max(slope * 0.5, (known[b] - known[a]) / (b - a))
-        return max(floor, known[below] + slope * (rows - below))
+        return known[below] + slope * (rows - below)
+
+    def _monotone(self) -> dict[int, float]:
+        """The timed multiples made non-decreasing in rows (pooling neighbours that disagree,
+        weighted by their samples: isotonic regression), a plain step fixed at 1: a noisy timing
+        must not make a longer draft look cheaper, nor a rarely timed one make all longer ones
+        look dearer."""
+        blocks: list[list] = [[1.0, math.inf, [1]]]  # value, weight, row counts pooled
+        for rows, median in sorted(self._ratios.items()):
+            blocks.append([median.value, len(median.samples), [rows]])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (v1, w1, r1), (v2, w2, r2) = blocks.pop(-2), blocks.pop()
+                value = v1 if math.isinf(w1) else (v1 * w1 + v2 * w2) / (w1 + w2)
+                blocks.append([value, w1 + w2, r1 + r2])
+        return {rows: value for value, _, pooled in blocks for rows in pooled}
 
 
 class Acceptance:
