@@ -71,44 +71,33 @@ class PassCosts:
     """
 
     def __init__(self) -> None:
-        self._plain = RecentMedian()  # seconds of a verify pass over one row
+        self._plain_times = RecentMedian()  # seconds of verify passes over one row
         self._ratios: dict[int, RecentMedian] = {}  # rows > 1: seconds / a plain step's
-        self._draft_ratio = RecentMedian()  # a layer-skip draft step / a plain step
-        self._estimates: dict[int, float | None] = {}  # verify_cost answers since the last record
-        self._known: dict[int, float] | None = None  # _monotone(), since the last record
-
-    @property
-    def plain(self) -> float | None:
-        return self._plain.value
-
-    @property
-    def ratio(self) -> dict[int, float]:
-        """Rows > 1 -> what a pass over that many rows costs, in plain steps."""
-        return {rows: median.value for rows, median in self._ratios.items()}
-
-    @property
-    def draft_ratio(self) -> float | None:
-        return self._draft_ratio.value
+        self._draft_ratios = RecentMedian()  # a layer-skip draft step / a plain step
+        # Derived from those by record, which alone changes them:
+        self.plain: float | None = None  # seconds of a plain step
+        self.draft_step: float | None = None  # seconds of a layer-skip draft step
+        self._known: dict[int, float] = {1: 1.0}  # rows -> plain steps, non-decreasing
+        self._estimates: dict[int, float] = {}  # verify_cost answers since the last record
 
     def record(self, outcome: RoundOutcome, steps: int) -> None:
-        self._estimates.clear()
-        self._known = None
         if outcome.verify_seconds <= 0:
             return
+        self._estimates.clear()
         if outcome.rows == 1:
-            self._plain.add(outcome.verify_seconds)
-            return
-        # Before a plain step is timed, the pass itself stands in for one.
-        plain = self.plain or outcome.verify_seconds
-        self._ratios.setdefault(outcome.rows, RecentMedian()).add(outcome.verify_seconds / plain)
-        if steps and outcome.draft_seconds > 0:
-            self._draft_ratio.add(outcome.draft_seconds / steps / plain)
-
-    @property
-    def draft_step(self) -> float | None:
-        if self.draft_ratio is None or self.plain is None:
-            return None
-        return self.draft_ratio * self.plain
+            self._plain_times.add(outcome.verify_seconds)
+        else:
+            # Before a plain step is timed, the pass itself stands in for one.
+            plain = self.plain or outcome.verify_seconds
+            ratio = outcome.verify_seconds / plain
+            self._ratios.setdefault(outcome.rows, RecentMedian()).add(ratio)
+            self._known = self._monotone()
+            if steps and outcome.draft_seconds > 0:
+                self._draft_ratios.add(outcome.draft_seconds / steps / plain)
+        self.plain = self._plain_times.value
+        draft_ratio = self._draft_ratios.value
+        if draft_ratio is not None and self.plain is not None:
+            self.draft_step = draft_ratio * self.plain
 
     def verify_cost(self, rows: int) -> float | None:
         """Seconds of a verify pass over ``rows`` rows (None before a plain step is timed)."""
@@ -121,8 +110,6 @@ class PassCosts:
     def _ratio(self, rows: int) -> float:
         """Interpolated between timed row counts; past them, the slope of the last two (or a
         prior)."""
-        if self._known is None:
-            self._known = self._monotone()
         known = self._known
         if rows in known:
             return known[rows]
@@ -151,6 +138,17 @@ class PassCosts:
                 value = v1 if math.isinf(w1) else (v1 * w1 + v2 * w2) / (w1 + w2)
                 blocks.append([value, w1 + w2, r1 + r2])
         return {rows: value for value, _, pooled in blocks for rows in pooled}
+
+
+class _AllKept:
+    """The acceptance of drafts that are always kept: what the best case would pay."""
+
+    @staticmethod
+    def rate(i: int) -> float:
+        return 1.0
+
+
+_ALL_KEPT = _AllKept()
 
 
 class Acceptance:
@@ -308,13 +306,7 @@ class AdaptiveDrafter(Drafter):
 
     def _could_pay(self, limit: int, step: float) -> bool:
         """Whether some draft length would beat a plain step if every drafted token were kept."""
-        plain = self.costs.verify_cost(1)
-        if plain is None:
-            return True
-        return any(
-            (k + 1) / (self.costs.verify_cost(k + 1) + k * step) > _SKIP_MARGIN / plain
-            for k in range(1, limit + 1)
-        )
+        return self._best_length(_ALL_KEPT, limit, step, _SKIP_MARGIN) > 0
 
     def observe(self, outcome: RoundOutcome) -> None:
         # The confidence threshold is the layer-skip drafter's: only its rounds move it.
