@@ -1,18 +1,21 @@
-"""Several sequences decoded together, one token each per pass (what `selfspec serve` runs when
-more than one request is active).
+"""Several sequences decoded together, speculatively, in one pass per step (what `selfspec serve`
+runs when more than one request is active).
 
-Each sequence has its own KV cache. A pass takes every sequence's pending token at once
-(``ModelRunner.forward_many``: the linear layers over all rows, attention per sequence) and
-commits one token to each with that sequence's own sampling and stop rule. Rows never mix, so a
-greedy sequence decodes to exactly the tokens it gets alone. Sequences join and leave between
-passes; a generation that ran alone, speculatively, can be paused and continued here.
+Each sequence has its own KV cache. A pass takes every sequence's pending token and the tokens
+drafted for it from its own context (``BatchDrafter``: as many as pay, none without a drafter)
+at once (``ModelRunner.forward_many``: the linear layers over all rows, attention per row over
+its own sequence's keys), and each sequence keeps the longest prefix of its draft the target
+agrees with plus the target's next token, with its own sampling and stop rule. Rows never mix
+and each gets the bits of a one-token pass, so a greedy sequence decodes to exactly the tokens it
+gets alone. Sequences join and leave between passes; a generation that ran alone,
+speculatively, can be paused and continued here.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from selfspec.decode import (
@@ -20,14 +23,18 @@ from selfspec.decode import (
     DecodeStats,
     Generation,
     Stopper,
+    accept,
     begin_generation,
     check_request,
     make_generator,
 )
+from selfspec.drafters.base import Draft, point_masses
+from selfspec.drafters.ngram import ContextIndex
 
 if TYPE_CHECKING:
     import torch
 
+    from selfspec.drafters.batched import BatchDrafter
     from selfspec.runner import KVCache, ModelRunner
 
 
@@ -40,6 +47,13 @@ class Sequence:
     config: DecodeConfig
     generator: torch.Generator | None
     started: float
+    context: ContextIndex = field(default_factory=ContextIndex)  # for drafts from its own text
+
+    def draft_room(self) -> int:
+        """Tokens a draft may hold: within max_new_tokens (the target adds one) and the cache."""
+        committed = len(self.gen.committed)
+        room = self.config.max_new_tokens - len(self.gen.generated) - 1
+        return max(0, min(room, self.config.max_draft_tokens, self.cache.max_len - committed))
 
     def finish(self) -> DecodeStats:
         stats = self.gen.stats
@@ -59,7 +73,7 @@ def start_sequence(
     """Prefill a new sequence into a cache of its own; its first token is committed."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
-    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + 1)
+    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
     with runner.using(cache):
         gen, generator = begin_generation(
             runner, prompt_ids, config, tokenizer, on_tokens, DecodeStats()
@@ -87,11 +101,46 @@ def resume_sequence(
     return Sequence(cache, gen, config, generator, time.perf_counter() - stats.seconds)
 
 
-def step(runner: ModelRunner, sequences: list[Sequence]) -> None:
-    """One pass over every sequence's pending token; commits one token to each."""
-    tokens = [s.gen.committed[-1] for s in sequences]
-    positions = [len(s.gen.committed) - 1 for s in sequences]
-    logits = runner.forward_many([s.cache for s in sequences], tokens, positions)
-    for sequence, row in zip(sequences, logits):
-        sequence.gen.stats.target_passes += 1
-        sequence.gen.commit([sequence.config.sampling.pick(row, sequence.generator)])
+def step(
+    runner: ModelRunner, sequences: list[Sequence], drafter: BatchDrafter | None = None
+) -> int:
+    """One pass over every sequence's pending token and its draft (none without ``drafter``);
+    commits to each the drafts the target kept and the target's next token. Returns the pass's
+    rows."""
+    if drafter is not None:
+        for s in sequences:
+            s.context.sync(s.gen.committed)
+        rooms = [s.draft_room() for s in sequences]
+        drafts = drafter.propose([s.context for s in sequences], rooms)
+    else:
+        drafts = [[] for _ in sequences]
+    caches, tokens, positions = [], [], []
+    for sequence, draft in zip(sequences, drafts):
+        start = len(sequence.gen.committed) - 1
+        rows = [sequence.gen.committed[-1], *draft]
+        caches += [sequence.cache] * len(rows)
+        tokens += rows
+        positions += range(start, start + len(rows))
+    started = time.perf_counter()
+    logits = runner.forward_many(caches, tokens, positions)
+    seconds = time.perf_counter() - started
+    kept, first = [], 0
+    for sequence, draft in zip(sequences, drafts):
+        rows = logits[first : first + len(draft) + 1]
+        first += len(draft) + 1
+        m, token = _accept(sequence, draft, rows)
+        kept.append(m)
+        sequence.gen.stats.record_round(len(draft), m, "ngram")
+        sequence.gen.commit(draft[:m] + [token])
+    if drafter is not None:
+        drafter.observe(drafts, kept, seconds)
+    return len(tokens)
+
+
+def _accept(sequence: Sequence, draft: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """(drafts kept, the target's token after them) for one sequence's rows of a pass."""
+    sampling = sequence.config.sampling
+    if not draft:
+        return 0, sampling.pick(logits[0], sequence.generator)
+    probs = None if sampling.greedy else point_masses(draft, logits.shape[-1])
+    return accept(Draft(draft, probs), logits, sampling, sequence.generator)

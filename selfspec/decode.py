@@ -85,6 +85,10 @@ class DecodeStats:
         self.target_passes += 1
         self.drafted += drafted
         self.accepted += accepted
+        missing = drafted - len(self.drafted_by_position)
+        if missing > 0:  # a batch's drafts may run longer than the width it began with
+            self.drafted_by_position += [0] * missing
+            self.accepted_by_position += [0] * missing
         for i in range(drafted):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted

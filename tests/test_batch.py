@@ -7,6 +7,7 @@ import pytest
 
 from selfspec.batch import resume_sequence, start_sequence, step
 from selfspec.decode import generate_ids
+from selfspec.drafters.batched import BatchDrafter
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\nx = np."]
@@ -71,3 +72,72 @@ def test_a_paused_speculative_generation_goes_on_in_a_batch(engine):
         step(runner, [s for s in (first, other) if not s.gen.stop])
     assert first.gen.generated == expected
     assert first.finish().new_tokens == tokens
+
+
+# Text that repeats itself, so that every sequence finds context matches to draft from.
+REPEATING = [
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
+    "one two three four five. one two three four five. one two three",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+]
+
+
+def _run_batch(engine, prompts, configs, drafter):
+    runner, tokenizer = engine.runner, engine.tokenizer
+    active = [
+        (i, start_sequence(runner, engine.encode(p), c, tokenizer))
+        for i, (p, c) in enumerate(zip(prompts, configs))
+    ]
+    done, rows = {}, []
+    while active:
+        rows.append(step(runner, [s for _, s in active], drafter))
+        for i, sequence in [(i, s) for i, s in active if s.gen.stop]:
+            done[i] = (sequence.gen.generated, sequence.finish())
+        active = [(i, s) for i, s in active if not s.gen.stop]
+    return [done[i] for i in range(len(prompts))], rows
+
+
+def test_drafts_in_a_batch_keep_each_sequence_its_solo_tokens(engine):
+    """Each sequence drafts from its own text (every match in full, paid or not): the drafts are
+    checked in the batch pass, and every sequence still gets exactly its solo tokens."""
+    limits = [30, 24, 17]
+    expected = [_alone(engine, p, n) for p, n in zip(REPEATING, limits)]
+    configs = [engine.decode_config(None, max_new_tokens=n) for n in limits]
+    results, rows = _run_batch(engine, REPEATING, configs, BatchDrafter(planned=False))
+    assert [generated for generated, _ in results] == expected
+    for generated, stats in results:
+        # the first token comes from the prefill; each pass adds its kept drafts and one more,
+        # unless a stop cut it short
+        assert stats.new_tokens == len(generated)
+        assert stats.new_tokens - 1 <= stats.target_passes + stats.accepted
+        assert stats.target_passes < len(generated) or stats.accepted == 0
+    drafted = sum(stats.drafted for _, stats in results)
+    accepted = sum(stats.accepted for _, stats in results)
+    assert drafted > 0 and accepted > 0  # the draft rows were there, and some were kept
+    assert max(rows) > len(REPEATING)  # some pass held more rows than sequences
+
+
+def test_a_planned_batch_drafts_only_where_rows_pay():
+    """With pass costs timed and acceptance measured, the batch drafter adds a sequence's draft
+    tokens most likely first, and only while the expected tokens per second rise."""
+    from selfspec.drafters.adaptive import Acceptance, PassCosts
+    from selfspec.drafters.base import RoundOutcome
+    from selfspec.drafters.ngram import ContextIndex
+
+    costs = PassCosts()
+    for rows, seconds in [(1, 0.10), (2, 0.102), (3, 0.104), (4, 0.106), (5, 0.2), (6, 0.3)]:
+        costs.record(RoundOutcome(rows - 1, 0, verify_seconds=seconds), 0)
+    sure, doubtful = Acceptance(8), Acceptance(8)
+    for _ in range(40):
+        sure.record(3, 3)
+        doubtful.record(1, 0)
+    drafter = BatchDrafter(costs, {3: sure, 2: doubtful})
+    # sequence 0 ends in a 3-token match (kept 3 of 3 so far), sequence 1 in a 2-token one
+    contexts = [ContextIndex(), ContextIndex()]
+    contexts[0].sync([5, 6, 7, 8, 9, 10, 11, 5, 6, 7])
+    contexts[1].sync([1, 2, 40, 41, 42, 1, 2])
+    drafts = drafter.propose(contexts, [8, 8])
+    # two rows of sequence 0's likely tokens are nearly free; a third row would cost as much as a
+    # pass: only the likely draft goes in
+    assert drafts == [[8, 9], []]
+    assert BatchDrafter(costs, {3: sure, 2: doubtful}).propose(contexts, [0, 8]) == [[], []]

@@ -286,3 +286,22 @@ def test_sigterm_shuts_down_cleanly(server):
     assert "the server is shutting down" in rest and rest.endswith("data: [DONE]\n\n"), rest
     assert process.wait(timeout=60) == 0, server["log"].read_text()
     assert "Traceback" not in server["log"].read_text()
+
+
+def test_the_serving_bench_sends_each_streams_requests_in_turn():
+    """`python -m selfspec.bench.serving` against its own real server: 2 streams of 2 requests
+    each, every prompt asked alone and then within its stream; greedy answers must agree."""
+    out = subprocess.run(
+        [sys.executable, "-m", "selfspec.bench.serving", "--model", MODEL, "--streams", "2"]
+        + ["--prompts-per-stream", "2", "--max-tokens", "12"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["requests"] == 4 and result["streams"] == 2
+    assert result["answers_identical_to_solo"] is True
+    assert 4 <= result["completion_tokens"] <= 4 * 12
+    assert result["together_engine_busy_seconds"] > 0

@@ -1,7 +1,11 @@
-"""Concurrent streams against the real `selfspec serve`: each prompt's stream alone, then N
-streams at once, through the OpenAI client; tokens/s per stream and in aggregate.
+"""Concurrent streams against the real `selfspec serve`: each prompt's request alone, then N
+streams at once, through the OpenAI client; tokens/s per request and in aggregate.
 
     python -m selfspec.bench.serving --model qwen2.5-coder-1.5b --streams 4 --max-tokens 64
+
+With ``--prompts-per-stream P`` each stream is a client that sends P requests one after another
+(a closed loop: N requests stay in flight until the streams run out), so the batch stays full
+instead of shrinking as answers of different lengths end.
 
 It starts the server itself on a free loopback port (same model, speed mode and defaults as
 `selfspec serve`), waits for /health, runs the streams and stops it. Greedy requests, so every
@@ -15,6 +19,7 @@ an aggregate short of the streams' count goes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -65,14 +70,18 @@ def _one(client, model: str, prompt: str, tokens: int) -> dict:
     return {"text": reply.choices[0].message.content, "tokens": made, "tok_s": made / seconds}
 
 
-def _together(client, model: str, prompts: list[str], tokens: int) -> tuple[list[dict], float]:
+def _together(
+    client, model: str, prompts: list[str], tokens: int, streams: int
+) -> tuple[list[dict], float]:
+    """Stream s sends prompts s, s + streams, ... one after another; all streams at once."""
     results: list = [None] * len(prompts)
 
-    def ask(i: int) -> None:
-        results[i] = _one(client, model, prompts[i], tokens)
+    def ask(first: int) -> None:
+        for i in range(first, len(prompts), streams):
+            results[i] = _one(client, model, prompts[i], tokens)
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=ask, args=(s,)) for s in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
@@ -91,7 +100,7 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         start = _server_counters(port)
         alone = [_one(client, model, p, tokens) for p in prompts]
         before = _server_counters(port)
-        together, seconds = _together(client, model, prompts, tokens)
+        together, seconds = _together(client, model, prompts, tokens, streams)
         after = _server_counters(port)
     finally:
         server.terminate()
@@ -104,7 +113,9 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         "model": model,
         "speed": speed,
         "streams": streams,
+        "requests": len(prompts),
         "max_tokens": tokens,
+        "completion_tokens": sum(t["tokens"] for t in together),
         "alone_tok_s_median": round(alone_median, 2),
         "aggregate_tok_s": round(aggregate, 2),
         "aggregate_vs_one_stream": round(aggregate / alone_median, 3),
@@ -151,12 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", default="auto")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompts", default="spec-bench", help="prompt set (one per stream)")
+    parser.add_argument("--prompts", default="spec-bench", help="prompt set")
+    parser.add_argument(
+        "--prompts-per-stream",
+        type=int,
+        default=1,
+        help="requests each stream sends one after another (default 1)",
+    )
     parser.add_argument("--out", default=None, help="write the result as JSON here too")
     args = parser.parse_args(argv)
-    if args.streams < 1 or args.max_tokens < 1:
-        parser.error("--streams and --max-tokens must be at least 1")
-    chosen = load_prompts(args.prompts, limit=1)[: args.streams]
+    if min(args.streams, args.max_tokens, args.prompts_per_stream) < 1:
+        parser.error("--streams, --max-tokens and --prompts-per-stream must be at least 1")
+    wanted = args.streams * args.prompts_per_stream
+    prompts = load_prompts(args.prompts)
+    # one category after another, so that each stream gets a mix
+    by_category: dict[str, list] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    mixed = [p for group in itertools.zip_longest(*by_category.values()) for p in group if p]
+    chosen = mixed[:wanted]
+    if len(chosen) < wanted:
+        parser.error(f"{args.prompts} holds {len(chosen)} prompts; {wanted} are needed")
     result = bench_serving(
         args.model, args.speed, args.streams, args.max_tokens, [p.text for p in chosen]
     )

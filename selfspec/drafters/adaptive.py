@@ -33,7 +33,7 @@ _PRIOR_WEIGHT = 2.0  # in rounds
 _ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
 _PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
 _MAX_PROBE_GAP = 16 * _PROBE_EVERY
-_GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
+GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
 # Layer-skip rounds cost more than their timed steps say (the draft's own overhead, cache rows it
 # rewrites) and their estimate is noisier: they must promise more.
 _SKIP_MARGIN = 1.10
@@ -239,7 +239,7 @@ class AdaptiveDrafter(Drafter):
 
     # -- planning ---------------------------------------------------------------------------------
     def _best_length(
-        self, acceptance: Acceptance, limit: int, step: float = 0.0, margin: float = _GAIN_MARGIN
+        self, acceptance: Acceptance, limit: int, step: float = 0.0, margin: float = GAIN_MARGIN
     ) -> int:
         """The draft length with the most expected tokens per second (0: a plain step beats them
         all): a round drafting k emits 1 + sum_i prod_{j<=i} a_j tokens and costs k draft steps of

@@ -4,7 +4,8 @@
 
 then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs
 with the default drafter (context n-gram and layer-skip drafts, chosen each round); concurrent
-requests share passes, one token of each per pass (selfspec.batch). Requests wait in a bounded
+requests share passes: each pass scores every request's next token and the tokens drafted for it
+from its own text (selfspec.batch). Requests wait in a bounded
 queue and a full queue answers 503. At most --max-batch requests are generated at once. SIGTERM or
 Ctrl-C stops accepting, ends what runs and what waits with an error event, and shuts down.
 """

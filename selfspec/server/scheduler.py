@@ -113,10 +113,10 @@ class Metrics:
             (
                 "batch_steps_total",
                 "counter",
-                "passes of the batch (one token per request)",
+                "passes of the batch (every request's next token and its drafts)",
                 self.batch_steps,
             ),
-            ("batch_rows_total", "counter", "request-rows in those passes", self.batch_rows),
+            ("batch_rows_total", "counter", "rows in those passes", self.batch_rows),
             ("batch_seconds_total", "counter", "wall time of those passes", self.batch_seconds),
             ("tokens_per_second", "gauge", "completion tokens / engine busy seconds", speed),
             ("acceptance_rate", "gauge", "accepted / drafted", acceptance),
@@ -158,15 +158,20 @@ class Scheduler:
     """The engine's only user: a worker thread that admits queued jobs and decodes them.
 
     A job alone runs speculatively with the drafter. When others arrive it is paused after its
-    current round and goes on with them in a batch: one pass per step serves one token of every
-    active job (``selfspec.batch``), jobs joining and leaving between passes. Where the runner
-    cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
+    current round and goes on with them in a batch: one pass per step serves every active job's
+    next token and the tokens drafted for it from its own text (``selfspec.batch``; no drafts
+    when the server runs without a drafter), jobs joining and leaving between passes. Where the
+    runner cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
     At most ``max_batch`` jobs run at once; the others wait in the queue."""
 
     def __init__(
         self, engine: Engine, drafter: Drafter | None, queue_size: int, max_batch: int = 8
     ):
+        from selfspec.drafters.batched import BatchDrafter
+
         self.engine, self.drafter = engine, drafter
+        # shares the solo drafter's pass costs and context-draft acceptance
+        self.batch_drafter = BatchDrafter.following(drafter) if drafter is not None else None
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.max_batch = max_batch
         self.metrics = Metrics()
@@ -339,7 +344,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            step(self.engine.runner, [r.sequence for r in self.batch])
+            rows = step(self.engine.runner, [r.sequence for r in self.batch], self.batch_drafter)
         except Exception as exc:
             failed, self.batch = self.batch, []
             for running in failed:
@@ -347,7 +352,7 @@ class Scheduler:
             return
         self._count(
             batch_steps=1,
-            batch_rows=len(self.batch),
+            batch_rows=rows,
             batch_seconds=time.perf_counter() - started,
         )
         for running in [r for r in self.batch if r.sequence.gen.stop]:
