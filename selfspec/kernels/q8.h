@@ -24,17 +24,39 @@ namespace selfspec {
 // then y + bias.
 constexpr int kActBlock = 32;
 
+// Rows of a vector tile: the vector paths take the rows of a pass in tiles of this height (the
+// last one shorter).
+inline int64_t q8_tile_height(int64_t M) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  return M <= 6 ? M : 12;  // q8_run's choice of tiles: one tile up to 6 rows, else 12 rows each
+#elif defined(__AVX2__)
+  return 4;
+#else
+  return M;
+#endif
+}
+
+// Where row m's entries lie in an interleaved array: rows grouped tile by tile (q8_tile_height),
+// each tile's entries contiguous step after step, so that a tile starting at row m0 reads step i
+// of its row r at (steps * m0) + i * ROWS + r, one pointer plus a constant per row, with no address
+// arithmetic in the inner loop. ``at(steps, i)``: step i of an array of ``steps`` steps per row.
+struct TileMajor {
+  int64_t m0, rows, r;
+  TileMajor(int64_t M, int64_t height, int64_t m)
+      : m0(m - m % height), rows(std::min(height, M - (m - m % height))), r(m % height) {}
+  int64_t at(int64_t steps, int64_t i) const { return steps * m0 + i * rows + r; }
+};
+
 struct QuantizedRows {
   torch::Tensor q;       // [M, K] int8
   torch::Tensor d;       // [M, K / 32] float32
   torch::Tensor sums16;  // [M, K / 16] int32
-  // The same, arranged for the vector tiles: rows interleaved, so that every row of a tile is
-  // reached from one pointer plus a constant offset.
-  torch::Tensor quads;  // [K / 4, M] int32: a[m, 4i..4i+3] as one little-endian word
-  torch::Tensor d_t;    // [K / 32, M] float32: d
-  torch::Tensor s16;    // [K / 16, M] int32: S over those 16 k
-  torch::Tensor s32;    // [K / 32, M] int32: S over those 32 k
-  torch::Tensor ds32;   // [K / 32, M] float32: d * float(S over those 32 k)
+  // The same, interleaved for the vector tiles (TileMajor over M rows, q8_tile_height):
+  torch::Tensor quads;  // K / 4 steps: a[m, 4i..4i+3] as one little-endian int32 word
+  torch::Tensor d_t;    // K / 32 steps: d, float32
+  torch::Tensor s16;    // K / 16 steps: S over those 16 k, int32
+  torch::Tensor s32;    // K / 32 steps: S over those 32 k, int32
+  torch::Tensor ds32;   // K / 32 steps: d * float(S over those 32 k), float32
 };
 
 inline QuantizedRows quantize_rows(const torch::Tensor& x) {
@@ -55,9 +77,11 @@ inline QuantizedRows quantize_rows(const torch::Tensor& x) {
   int32_t* s32 = out.s32.data_ptr<int32_t>();
   float* ds32 = out.ds32.data_ptr<float>();
   const int64_t blocks = K / kActBlock;
+  const int64_t height = q8_tile_height(M);
   at::parallel_for(0, M * blocks, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m = b / blocks, i = b % blocks;
+      const TileMajor tm(M, height, m);
       const float* xb = xp + b * kActBlock;
       int8_t* qb = qp + b * kActBlock;
       float amax = 0.0f;
@@ -76,13 +100,13 @@ inline QuantizedRows quantize_rows(const torch::Tensor& x) {
       for (int j = 0; j < kActBlock / 4; ++j) {
         int32_t word;
         std::memcpy(&word, qb + 4 * j, 4);
-        quads[(i * (kActBlock / 4) + j) * M + m] = word;
+        quads[tm.at(K / 4, i * (kActBlock / 4) + j)] = word;
       }
-      d_t[i * M + m] = d;
-      s16[(2 * i) * M + m] = s0;
-      s16[(2 * i + 1) * M + m] = s1;
-      s32[i * M + m] = s0 + s1;
-      ds32[i * M + m] = d * static_cast<float>(s0 + s1);
+      d_t[tm.at(blocks, i)] = d;
+      s16[tm.at(K / 16, 2 * i)] = s0;
+      s16[tm.at(K / 16, 2 * i + 1)] = s1;
+      s32[tm.at(blocks, i)] = s0 + s1;
+      ds32[tm.at(blocks, i)] = d * static_cast<float>(s0 + s1);
     }
   });
   return out;
@@ -165,8 +189,8 @@ constexpr bool kHaveSixBitTiles = false;  // VNNI builds keep Q6_K in the byte l
 // Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
 // every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
 // come interleaved by row (QuantizedRows::quads, d_t and, per group, S for byte formats or d * S
-// for nibble formats; offset to this tile's first row, row stride M), so each step reaches every
-// row from one pointer.
+// for nibble formats; this tile's block of each, row stride ROWS: TileMajor), so each step
+// reaches every row from one pointer plus a constant.
 template <int FORMAT, int G, int ROWS, int PANELS>
 void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
             const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
@@ -192,8 +216,8 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
     for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
       for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
-    const int32_t* a_lo = quads + (g0 / 4) * M;
-    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
+    const int32_t* a_lo = quads + (g0 / 4) * ROWS;
+    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * ROWS;
 #pragma GCC unroll 8
     for (int t = 0; t < kSteps; ++t) {
       __m512i w0[PANELS], w1[PANELS];
@@ -209,19 +233,19 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
       }
 #pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
-        const __m512i a0 = _mm512_set1_epi32(a_lo[t * M + r]);
+        const __m512i a0 = _mm512_set1_epi32(a_lo[t * ROWS + r]);
 #pragma GCC unroll 4
         for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w0[g], a0);
         if constexpr (L::kNibbleQ) {
-          const __m512i a1 = _mm512_set1_epi32(a_hi[t * M + r]);
+          const __m512i a1 = _mm512_set1_epi32(a_hi[t * ROWS + r]);
 #pragma GCC unroll 4
           for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w1[g], a1);
         }
       }
     }
-    const float* dg = d_t + (g0 / kActBlock) * M;
-    const int32_t* sg = static_cast<const int32_t*>(group_sums) + (g0 / G) * M;
-    const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * M;
+    const float* dg = d_t + (g0 / kActBlock) * ROWS;
+    const int32_t* sg = static_cast<const int32_t*>(group_sums) + (g0 / G) * ROWS;
+    const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m512 vd = _mm512_set1_ps(dg[r]);
@@ -275,9 +299,10 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
   const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
   for (int64_t m0 = 0; m0 < M; m0 += T::kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(T::kRows, M - m0));
-    const void* sums_m0 = static_cast<const uint8_t*>(sums) + m0 * elem;
+    // each array's block of this tile (TileMajor): its steps times the rows before it
+    const void* sums_m0 = static_cast<const uint8_t*>(sums) + K / G * m0 * elem;
     for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
-      T::get(rows)(quads + m0, d_t + m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
+      T::get(rows)(quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
   }
 }
 #elif defined(__AVX2__)
@@ -342,8 +367,8 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
     alignas(64) float scales[kPanel], offsets[kPanel];
     L::scale_arrays(panel, g0 / G, scales, offsets);
     const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader;
-    const int32_t* a_lo = quads + (g0 / 4) * M;
-    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * M;
+    const int32_t* a_lo = quads + (g0 / 4) * ROWS;
+    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * ROWS;
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
@@ -361,8 +386,8 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
         const __m256i w1b = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i a0 = _mm256_set1_epi32(a_lo[t * M + r]);
-          const __m256i a1 = _mm256_set1_epi32(a_hi[t * M + r]);
+          const __m256i a0 = _mm256_set1_epi32(a_lo[t * ROWS + r]);
+          const __m256i a1 = _mm256_set1_epi32(a_hi[t * ROWS + r]);
           dot[r][0] = _mm256_add_epi16(
               dot[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(w0a, a0), _mm256_maddubs_epi16(w1a, a1)));
           dot[r][1] = _mm256_add_epi16(
@@ -373,14 +398,14 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
         const __m256i wa_abs = _mm256_sign_epi8(wa, wa), wb_abs = _mm256_sign_epi8(wb, wb);
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i a = _mm256_set1_epi32(a_lo[t * M + r]);
+          const __m256i a = _mm256_set1_epi32(a_lo[t * ROWS + r]);
           dot[r][0] = add_dot4(dot[r][0], wa_abs, _mm256_sign_epi8(a, wa));
           dot[r][1] = add_dot4(dot[r][1], wb_abs, _mm256_sign_epi8(a, wb));
         }
       }
     }
-    const float* dg = d_t + (g0 / kActBlock) * M;
-    const float* cg = ds32 + (g0 / G) * M;
+    const float* dg = d_t + (g0 / kActBlock) * ROWS;
+    const float* cg = ds32 + (g0 / G) * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -411,7 +436,8 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
                  : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
                  : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
                              : &q8tile_avx2<FORMAT, G, 1>;
-    tile(quads + m0, d_t + m0, ds32 + m0, M, K, panel, p, y + m0 * N, N, bias);
+    // this tile's block of each interleaved array (TileMajor, height kRows = q8_tile_height)
+    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, ds32 + K / G * m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 
@@ -427,7 +453,7 @@ inline __m256i six_bit_high(__m256i h) {
 }
 
 template <int ROWS, int T>
-inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_t* a, int64_t M,
+inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_t* a,
                           __m256i (&dot)[ROWS][2]) {
   const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
   const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64));
@@ -438,7 +464,7 @@ inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_
                                       _mm256_and_si256(six_bit_high<T + 1>(ha), high2));
   const __m256i u1b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
                                       _mm256_and_si256(six_bit_high<T + 1>(hb), high2));
-  six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a + T * M, a + (T + 1) * M, dot);
+  six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a + T * ROWS, a + (T + 1) * ROWS, dot);
 }
 
 template <int ROWS>
@@ -457,14 +483,14 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
     const uint8_t* q = rec + L::kGroupHeader;
     const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
-    const int32_t* a = quads + (g0 / 4) * M;
+    const int32_t* a = quads + (g0 / 4) * ROWS;
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    six_bit_steps<ROWS, 0>(q, ha, hb, a, M, dot);
-    six_bit_steps<ROWS, 2>(q, ha, hb, a, M, dot);
-    const float* dg = d_t + (g0 / kActBlock) * M;
-    const int32_t* sg = s16 + gi * M;
+    six_bit_steps<ROWS, 0>(q, ha, hb, a, dot);
+    six_bit_steps<ROWS, 2>(q, ha, hb, a, dot);
+    const float* dg = d_t + (g0 / kActBlock) * ROWS;
+    const int32_t* sg = s16 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -490,7 +516,7 @@ inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const
                  : rows == 3 ? &q8six_tile_avx2<3>
                  : rows == 2 ? &q8six_tile_avx2<2>
                              : &q8six_tile_avx2<1>;
-    tile(quads + m0, d_t + m0, s16 + m0, M, K, panel, p, y + m0 * N, N, bias);
+    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 
