@@ -9,6 +9,11 @@ agrees with plus the target's next token, with its own sampling and stop rule. R
 and each gets the bits of a one-token pass, so a greedy sequence decodes to exactly the tokens it
 gets alone. Sequences join and leave between passes; a generation that ran alone,
 speculatively, can be paused and continued here.
+
+Where a row's bits do not depend on how many rows its pass holds at any length (speed mode
+gguf-q8: no BLAS path for long passes), a sequence that joins reads its prompt in chunks inside
+the batch's passes (``admit_sequence``) instead of one prefill that stops every other sequence:
+the others go on decoding, one pass per chunk, and its cache gets the bits a prefill gives.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ if TYPE_CHECKING:
     from selfspec.drafters.batched import BatchDrafter
     from selfspec.runner import KVCache, ModelRunner
 
+PREFILL_CHUNK = 64  # prompt rows a pass takes, so that the batch's other rows wait little
+
 
 @dataclass
 class Sequence:
@@ -48,6 +55,9 @@ class Sequence:
     generator: torch.Generator | None
     started: float
     context: ContextIndex = field(default_factory=ContextIndex)  # for drafts from its own text
+    # prompt tokens not yet in the cache (admit_sequence): the sequence reads them in chunks
+    # before its first token; 0 once it decodes
+    prompt_left: int = 0
 
     def draft_room(self) -> int:
         """Tokens a draft may hold: within max_new_tokens (the target adds one) and the cache."""
@@ -81,6 +91,31 @@ def start_sequence(
     return Sequence(cache, gen, config, generator, started)
 
 
+def can_chunk_prefill(runner: ModelRunner) -> bool:
+    """Whether ``admit_sequence`` may read prompts in chunks: the runner batches, and every row's
+    bits are those of a one-row pass at any row count (gguf-q8 has no BLAS path for long
+    passes; the float modes do, so their prefill must stay one pass)."""
+    return runner.can_batch and runner.loaded.speed == "gguf-q8"
+
+
+def admit_sequence(
+    runner: ModelRunner,
+    prompt_ids: list[int],
+    config: DecodeConfig,
+    tokenizer,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Sequence:
+    """A new sequence with a cache of its own and its prompt still to read: ``step`` reads it in
+    chunks (see ``can_chunk_prefill``) and commits its first token after the last chunk."""
+    check_request(prompt_ids, config, runner)
+    started = time.perf_counter()
+    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
+    generator = make_generator(config, runner.device)
+    stopper = Stopper(config, tokenizer)
+    gen = Generation(list(prompt_ids), [], DecodeStats(), stopper, on_tokens)
+    return Sequence(cache, gen, config, generator, started, prompt_left=len(prompt_ids))
+
+
 def resume_sequence(
     runner: ModelRunner,
     prompt_ids: list[int],
@@ -104,37 +139,88 @@ def resume_sequence(
 def step(
     runner: ModelRunner, sequences: list[Sequence], drafter: BatchDrafter | None = None
 ) -> int:
-    """One pass over every sequence's pending token and its draft (none without ``drafter``);
-    commits to each the drafts the target kept and the target's next token. Returns the pass's
-    rows."""
-    if drafter is not None:
-        for s in sequences:
-            s.context.sync(s.gen.committed)
-        rooms = [s.draft_room() for s in sequences]
-        drafts = drafter.propose([s.context for s in sequences], rooms)
-    else:
-        drafts = [[] for _ in sequences]
-    caches, tokens, positions = [], [], []
-    for sequence, draft in zip(sequences, drafts):
-        start = len(sequence.gen.committed) - 1
-        rows = [sequence.gen.committed[-1], *draft]
-        caches += [sequence.cache] * len(rows)
-        tokens += rows
-        positions += range(start, start + len(rows))
+    """One pass over every decoding sequence's pending token and its draft (none without
+    ``drafter``) and the next chunk of the prompts still being read; commits to each decoding
+    sequence the drafts the target kept and the target's next token, and to a sequence whose
+    prompt is read its first token. Returns the pass's rows."""
+    decoding = [s for s in sequences if not s.prompt_left]
+    drafts = _drafts(decoding, drafter)
+    rows = _PassRows()
+    for sequence, draft in zip(decoding, drafts):
+        rows.add(sequence, [sequence.gen.committed[-1], *draft], scored=len(draft) + 1)
+    reading, budget = [], PREFILL_CHUNK
+    for sequence in [s for s in sequences if s.prompt_left]:
+        if budget == 0:
+            break
+        chunk = sequence.gen.committed[-sequence.prompt_left :][:budget]
+        budget -= len(chunk)
+        last = len(chunk) == sequence.prompt_left  # only the prompt's last row needs logits
+        rows.add(sequence, chunk, scored=int(last))
+        reading.append((sequence, len(chunk)))
     started = time.perf_counter()
-    logits = runner.forward_many(caches, tokens, positions)
+    logits = runner.forward_many(rows.caches, rows.tokens, rows.positions, rows.scored)
     seconds = time.perf_counter() - started
-    kept, first = [], 0
-    for sequence, draft in zip(sequences, drafts):
-        rows = logits[first : first + len(draft) + 1]
-        first += len(draft) + 1
-        m, token = _accept(sequence, draft, rows)
+    per_sequence = rows.split(logits)
+    kept = []
+    for sequence, draft, scores in zip(decoding, drafts, per_sequence):
+        m, token = _accept(sequence, draft, scores)
         kept.append(m)
         sequence.gen.stats.record_round(len(draft), m, "ngram")
         sequence.gen.commit(draft[:m] + [token])
+    for (sequence, n), scores in zip(reading, per_sequence[len(decoding) :]):
+        _read_chunk(sequence, n, scores)
     if drafter is not None:
-        drafter.observe(drafts, kept, seconds)
-    return len(tokens)
+        drafter.observe(drafts, kept, None if reading else seconds)
+    return len(rows.tokens)
+
+
+def _drafts(sequences: list[Sequence], drafter: BatchDrafter | None) -> list[list[int]]:
+    if drafter is None or not sequences:
+        return [[] for _ in sequences]
+    for s in sequences:
+        s.context.sync(s.gen.committed)
+    return drafter.propose([s.context for s in sequences], [s.draft_room() for s in sequences])
+
+
+class _PassRows:
+    """The rows of one batch pass, sequence after sequence: tokens at consecutive positions of the
+    sequence's cache (after the tokens already there), and which rows need logits."""
+
+    def __init__(self) -> None:
+        self.caches: list[KVCache] = []
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.scored: list[int] = []  # rows whose logits the pass computes
+        self._scored_counts: list[int] = []
+
+    def add(self, sequence: Sequence, tokens: list[int], scored: int) -> None:
+        """``tokens`` of ``sequence``; its last ``scored`` rows need logits."""
+        # the pending token's position, or while reading the prompt its first unread token's
+        start = len(sequence.gen.committed) - (sequence.prompt_left or 1)
+        first, n = len(self.tokens), len(tokens)
+        self.caches += [sequence.cache] * n
+        self.tokens += tokens
+        self.positions += range(start, start + n)
+        self.scored += range(first + n - scored, first + n)
+        self._scored_counts.append(scored)
+
+    def split(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """The scored rows' logits, sequence by sequence."""
+        out, first = [], 0
+        for n in self._scored_counts:
+            out.append(logits[first : first + n])
+            first += n
+        return out
+
+
+def _read_chunk(sequence: Sequence, rows: int, logits: torch.Tensor) -> None:
+    """``rows`` more of the sequence's prompt are in its cache; after the last, its first token
+    (from the prompt's last row, ``logits``)."""
+    sequence.prompt_left -= rows
+    if sequence.prompt_left:
+        return
+    sequence.gen.stats.prefill_seconds = time.perf_counter() - sequence.started
+    sequence.gen.commit([sequence.config.sampling.pick(logits[-1], sequence.generator)])
 
 
 def _accept(sequence: Sequence, draft: list[int], logits: torch.Tensor) -> tuple[int, int]:

@@ -116,11 +116,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_many(
-        self, caches: list[KVCache], tokens: list[int], positions: list[int]
+        self,
+        caches: list[KVCache],
+        tokens: list[int],
+        positions: list[int],
+        scored: list[int] | None = None,
     ) -> torch.Tensor:
-        """One token of each of several sequences in one pass, sequence m's token at
-        ``positions[m]`` of its own cache ``caches[m]``: logits [M, vocab]. Every row gets the bits
-        of its sequence's own one-token pass (rows never mix), so batching changes no token."""
+        """Rows of several sequences in one pass, row m's token at ``positions[m]`` of its
+        sequence's cache ``caches[m]`` (a sequence's rows at consecutive positions, each seeing its
+        cache up to its own position): logits [len(scored), vocab] of the rows ``scored`` (all
+        rows if None). Every row gets the bits of its sequence's own one-token pass (rows never
+        mix), so batching changes no token."""
         a, m = self.adapter, len(tokens)
         hidden = a.embed(torch.tensor(tokens, device=self.device).view(1, m))
         cos, sin = a.position_embeddings(
@@ -132,7 +138,11 @@ class ModelRunner:
             values = [c.values[i, 0] for c in caches]
             rows = a.fused[i].attention_many(rows, cos, sin, keys, values, positions)
             rows = a.fused[i].mlp(rows)
-        return a.logits(rows.view(1, m, -1))[0].float()
+        if scored is not None:
+            if not scored:  # prompt rows only, none of them a prompt's last
+                return torch.empty(0, self.head_rows)
+            rows = rows[scored]
+        return a.logits(rows.view(1, len(rows), -1))[0].float()
 
     def reset(self, max_len: int) -> None:
         """Make a cache for ``max_len`` positions, reusing the current one when it is big enough."""

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from selfspec.batch import resume_sequence, start_sequence, step
+from selfspec.batch import (
+    PREFILL_CHUNK,
+    admit_sequence,
+    can_chunk_prefill,
+    resume_sequence,
+    start_sequence,
+    step,
+)
 from selfspec.decode import generate_ids
 from selfspec.drafters.batched import BatchDrafter
 
@@ -141,3 +148,31 @@ def test_a_planned_batch_drafts_only_where_rows_pay():
     # pass: only the likely draft goes in
     assert drafts == [[8, 9], []]
     assert BatchDrafter(costs, {3: sure, 2: doubtful}).propose(contexts, [0, 8]) == [[], []]
+
+
+def test_prompts_read_in_chunks_inside_the_batch_give_solo_tokens(engine):
+    """gguf-q8: a sequence that joins reads its prompt in chunks inside the batch's passes while
+    the others go on decoding; every sequence still gets exactly its solo tokens. The float modes
+    prefill long prompts another way (BLAS), so they do not chunk."""
+    if not can_chunk_prefill(engine.runner):
+        assert engine.loaded.speed != "gguf-q8"
+        return
+    long_prompt = "Here is a list of fruit: " + ", ".join(["apple", "pear", "plum"] * 40) + "."
+    prompts, limits = [PROMPTS[0], long_prompt, PROMPTS[2]], [30, 20, 12]
+    expected = [_alone(engine, p, n) for p, n in zip(prompts, limits)]
+    assert len(engine.encode(long_prompt)) > 2 * PREFILL_CHUNK  # read over several passes
+    runner, tokenizer = engine.runner, engine.tokenizer
+    drafter = BatchDrafter(planned=False)
+    active, done, rows = [], {}, []
+    for i, (prompt, tokens) in enumerate(zip(prompts, limits)):
+        config = engine.decode_config(None, max_new_tokens=tokens)
+        active.append((i, admit_sequence(runner, engine.encode(prompt), config, tokenizer)))
+        rows.append(step(runner, [s for _, s in active], drafter))  # the next joins a pass later
+    while active:
+        rows.append(step(runner, [s for _, s in active], drafter))
+        for i, sequence in [(i, s) for i, s in active if s.gen.stop]:
+            done[i] = sequence.gen.generated
+            assert sequence.finish().prefill_seconds > 0
+        active = [(i, s) for i, s in active if not s.gen.stop]
+    assert [done[i] for i in range(len(prompts))] == expected
+    assert max(rows) > PREFILL_CHUNK  # a chunk and the others' rows shared a pass

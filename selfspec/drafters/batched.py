@@ -80,7 +80,7 @@ class BatchDrafter:
     def _rows_worth_adding(self, candidates: list[tuple[float, int]], batch: int) -> int:
         """How many of the candidates (most likely first) to add to a pass of ``batch`` rows."""
         room = max(0, MAX_ROWS - batch)
-        if not self.planned:
+        if not self.planned or not candidates:
             return min(len(candidates), room)
         base = self.costs.verify_cost(batch)
         if base is None:
@@ -94,11 +94,13 @@ class BatchDrafter:
                 best_n, best_rate = n, rate
         return best_n
 
-    def observe(self, drafts: list[list[int]], kept: list[int], seconds: float) -> None:
+    def observe(self, drafts: list[list[int]], kept: list[int], seconds: float | None) -> None:
         """The pass's outcome: each sequence's draft and how many of it the target kept, and the
-        pass's time."""
+        pass's time (None: the pass held other rows too, prompt chunks, so its time says nothing
+        about these rows' cost)."""
         rows = sum(len(d) + 1 for d in drafts)
-        self.costs.record(RoundOutcome(rows - 1, 0, verify_seconds=seconds), 0)
+        if seconds is not None and rows:
+            self.costs.record(RoundOutcome(rows - 1, 0, verify_seconds=seconds), 0)
         for draft, m, n in zip(drafts, kept, self._lengths):
             if draft:
                 self.ngram[n].record(len(draft), m)

@@ -84,6 +84,7 @@ class Metrics:
     prefill_seconds: float = 0.0  # of finished requests
     batch_steps: int = 0
     batch_rows: int = 0
+    batch_requests: int = 0
     batch_seconds: float = 0.0
     active: int = 0
     queued: int = 0
@@ -107,7 +108,7 @@ class Metrics:
             (
                 "prefill_seconds_total",
                 "counter",
-                "prompt reading (finished requests)",
+                "prompt reading in passes of its own (finished requests)",
                 self.prefill_seconds,
             ),
             (
@@ -117,6 +118,7 @@ class Metrics:
                 self.batch_steps,
             ),
             ("batch_rows_total", "counter", "rows in those passes", self.batch_rows),
+            ("batch_requests_total", "counter", "requests in those passes", self.batch_requests),
             ("batch_seconds_total", "counter", "wall time of those passes", self.batch_seconds),
             ("tokens_per_second", "gauge", "completion tokens / engine busy seconds", speed),
             ("acceptance_rate", "gauge", "accepted / drafted", acceptance),
@@ -143,6 +145,7 @@ class _Running:
     job: Job
     sequence: Sequence
     trimmer: StopTrimmer
+    prefilled_apart: bool = True  # False: its prompt was read in chunks inside the batch's passes
 
 
 def _shut_out(jobs: list[Job | None]) -> None:
@@ -311,15 +314,20 @@ class Scheduler:
             self.batch.append(_Running(job, sequence, trimmer))
 
     def _start(self, job: Job) -> None:
-        from selfspec.batch import start_sequence
+        """A job joins the batch: prefilled at once, or (where the runner allows) with its prompt
+        to be read in chunks inside the batch's passes, so the others need not wait for it."""
+        from selfspec.batch import admit_sequence, can_chunk_prefill, start_sequence
 
-        if not self.engine.runner.can_batch:
+        runner = self.engine.runner
+        if not runner.can_batch:
             self._solo(job)
             return
         trimmer = StopTrimmer(job.config.stop_strings)
+        chunked = can_chunk_prefill(runner)
+        begin = admit_sequence if chunked else start_sequence
         try:
-            sequence = start_sequence(
-                self.engine.runner,
+            sequence = begin(
+                runner,
                 job.prompt_ids,
                 job.config,
                 self.engine.tokenizer,
@@ -331,7 +339,7 @@ class Scheduler:
         if sequence.gen.stop:
             self._done(job, trimmer, sequence.finish())
         else:
-            self.batch.append(_Running(job, sequence, trimmer))
+            self.batch.append(_Running(job, sequence, trimmer, prefilled_apart=not chunked))
 
     def _step(self) -> None:
         """One pass for the whole batch; finished and cancelled jobs leave it."""
@@ -353,13 +361,17 @@ class Scheduler:
         self._count(
             batch_steps=1,
             batch_rows=rows,
+            batch_requests=len(self.batch),
             batch_seconds=time.perf_counter() - started,
         )
         for running in [r for r in self.batch if r.sequence.gen.stop]:
             self.batch.remove(running)
-            self._done(running.job, running.trimmer, running.sequence.finish())
+            stats = running.sequence.finish()
+            self._done(running.job, running.trimmer, stats, running.prefilled_apart)
 
-    def _done(self, job: Job, trimmer: StopTrimmer, stats) -> None:
+    def _done(self, job: Job, trimmer: StopTrimmer, stats, prefilled_apart: bool = True) -> None:
+        """``prefilled_apart``: the prompt was read in a pass of its own (its time counts as
+        prefill), not in chunks inside the batch's passes (already counted there)."""
         tail = trimmer.finish()
         if tail:
             job.on_event("text", tail)
@@ -372,7 +384,7 @@ class Scheduler:
             drafted=stats.drafted,
             accepted=stats.accepted,
             seconds=stats.seconds,
-            prefill_seconds=stats.prefill_seconds,
+            prefill_seconds=stats.prefill_seconds if prefilled_apart else 0.0,
         )
         self._gauges()  # before the client hears of it: /metrics never lags behind a reply
         job.on_event("done", (trimmer.whole(), finish, stats))
