@@ -73,6 +73,11 @@ class Sequence:
         return stats
 
 
+def _sequence_cache(runner: ModelRunner, prompt_ids: list[int], config: DecodeConfig) -> KVCache:
+    """A cache of its own for a new sequence: its prompt, its tokens and a draft past them."""
+    return runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
+
+
 def start_sequence(
     runner: ModelRunner,
     prompt_ids: list[int],
@@ -83,7 +88,7 @@ def start_sequence(
     """Prefill a new sequence into a cache of its own; its first token is committed."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
-    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
+    cache = _sequence_cache(runner, prompt_ids, config)
     with runner.using(cache):
         gen, generator = begin_generation(
             runner, prompt_ids, config, tokenizer, on_tokens, DecodeStats()
@@ -109,7 +114,7 @@ def admit_sequence(
     chunks (see ``can_chunk_prefill``) and commits its first token after the last chunk."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
-    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
+    cache = _sequence_cache(runner, prompt_ids, config)
     generator = make_generator(config, runner.device)
     stopper = Stopper(config, tokenizer)
     gen = Generation(list(prompt_ids), [], DecodeStats(), stopper, on_tokens)
