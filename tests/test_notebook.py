@@ -24,12 +24,16 @@ def test_tour_notebook_executes(monkeypatch):
         kernel_name="python3",
         resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     ).execute()
+    # A cell's printed text may come back in several stream chunks, split anywhere (by when the
+    # kernel flushed): join a cell's chunks as they are, cells by line breaks.
     text = "\n".join(
-        out.get("text", "")
+        "".join(
+            out.get("text", "")
+            for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream"
+        )
         for cell in nb.cells
         if cell.cell_type == "code"
-        for out in cell.get("outputs", [])
-        if out.get("output_type") == "stream"
     )
     prefix = next(line for line in text.splitlines() if line.startswith("environment: "))
     # The kernel ran in this interpreter's environment (the venv), not some other python3 on the
