@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,16 @@ def _current_plan(out: Path, engine: Engine) -> SkipPlan | None:
     return current
 
 
+# A journal file's lock left by a killed worker is broken by whoever waits for it longest; two
+# workers starting together can both break it, and the loser's release then fails ("did not
+# possess lock") though the storage is fine: opening the study again succeeds.
+_LOCK_RACE_TRIES = 3
+
+
+def _lost_journal_lock_race(exc: Exception) -> bool:
+    return isinstance(exc, RuntimeError) and "did not possess lock" in str(exc)
+
+
 def _open_study(storage, folder: Path, study_name: str, meta: dict, min_agreement: float):
     """(study, storage as shown): create or resume the study, refusing one made for other
     settings."""
@@ -115,19 +126,24 @@ def _open_study(storage, folder: Path, study_name: str, meta: dict, min_agreemen
     shown = storage_text(storage) if isinstance(storage, str) else type(storage).__name__
     storage_obj = open_storage(storage) if isinstance(storage, str) else storage
     pruner = optuna.pruners.ThresholdPruner(lower=min_agreement)
-    try:
-        study = optuna.create_study(
-            storage=storage_obj,
-            study_name=study_name,
-            direction="maximize",
-            load_if_exists=True,
-            pruner=pruner,
-        )
-    except Exception as exc:
-        raise SelfSpecError(
-            f"cannot create or load study '{study_name}' in '{shown}' "
-            f"({type(exc).__name__}: {exc})."
-        ) from None
+    for attempt in range(_LOCK_RACE_TRIES):
+        try:
+            study = optuna.create_study(
+                storage=storage_obj,
+                study_name=study_name,
+                direction="maximize",
+                load_if_exists=True,
+                pruner=pruner,
+            )
+            break
+        except Exception as exc:
+            if _lost_journal_lock_race(exc) and attempt + 1 < _LOCK_RACE_TRIES:
+                time.sleep(1.0)
+                continue
+            raise SelfSpecError(
+                f"cannot create or load study '{study_name}' in '{shown}' "
+                f"({type(exc).__name__}: {exc})."
+            ) from None
     existing = study.user_attrs.get("selfspec")
     if existing is None:
         study.set_user_attr("selfspec", meta)
