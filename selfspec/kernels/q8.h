@@ -24,13 +24,20 @@ namespace selfspec {
 // then y + bias.
 constexpr int kActBlock = 32;
 
+// How the vector paths cut a pass's rows into tiles; the runs below and the activations' layout
+// (q8_tile_height) both follow these. A VNNI tile holds at most kVnniPairs (row, panel) pairs, over
+// q8_vnni_panels(M) panels; an AVX2 tile holds kAvx2Rows rows of one panel.
+constexpr int kVnniPairs = 12;
+constexpr int kAvx2Rows = 4;
+inline int q8_vnni_panels(int64_t M) { return M == 1 ? 4 : M <= 6 ? 2 : 1; }
+
 // Rows of a vector tile: the vector paths take the rows of a pass in tiles of this height (the
 // last one shorter).
 inline int64_t q8_tile_height(int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  return M <= 6 ? M : 12;  // q8_run's choice of tiles: one tile up to 6 rows, else 12 rows each
+  return kVnniPairs / q8_vnni_panels(M);
 #elif defined(__AVX2__)
-  return 4;
+  return kAvx2Rows;
 #else
   return M;
 #endif
@@ -278,7 +285,7 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<
 // two weight vectors: at most 12 pairs.
 template <int FORMAT, int G, int PANELS>
 struct Q8Tiles {
-  static constexpr int kRows = 12 / PANELS;
+  static constexpr int kRows = kVnniPairs / PANELS;
   static Q8TileFn get(int rows) {
     static constexpr auto table = q8tile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
     return table[rows - 1];
@@ -405,7 +412,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
       }
     }
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const float* cg = ds32 + (g0 / G) * ROWS;
+    const float* cg = ds32 + (g0 / kActBlock) * ROWS;  // per 32 k: the nibble formats' G
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -426,7 +433,7 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
 template <int FORMAT, int G>
 void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                        int64_t N, const float* bias) {
-  constexpr int kRows = 4;
+  constexpr int kRows = kAvx2Rows;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
   const float* ds32 = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
@@ -437,7 +444,8 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
                  : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
                              : &q8tile_avx2<FORMAT, G, 1>;
     // this tile's block of each interleaved array (TileMajor, height kRows = q8_tile_height)
-    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, ds32 + K / G * m0, M, K, panel, p, y + m0 * N, N, bias);
+    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, ds32 + K / kActBlock * m0, M, K, panel, p, y + m0 * N, N,
+         bias);
   }
 }
 
@@ -506,7 +514,7 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
 
 inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
                              float* y, int64_t N, const float* bias) {
-  constexpr int kRows = 4;
+  constexpr int kRows = kAvx2Rows;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
   const int32_t* s16 = a.s16.data_ptr<int32_t>();
@@ -539,8 +547,9 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
     for (int64_t g = g0; g < g1; ++g) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
       if (!reference) {
-        if (M == 1) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
-        else if (M <= 6) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
+        const int panels = q8_vnni_panels(M);
+        if (panels == 4) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
+        else if (panels == 2) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
         else q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
         continue;
       }
