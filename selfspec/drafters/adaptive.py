@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from selfspec.drafters.base import (
@@ -33,7 +34,7 @@ _PRIOR_WEIGHT = 2.0  # in rounds
 _ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
 _PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
 _MAX_PROBE_GAP = 16 * _PROBE_EVERY
-GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
+_GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
 # Layer-skip rounds cost more than their timed steps say (the draft's own overhead, cache rows it
 # rewrites) and their estimate is noisier: they must promise more.
 _SKIP_MARGIN = 1.10
@@ -140,6 +141,25 @@ class PassCosts:
         return {rows: value for value, _, pooled in blocks for rows in pooled}
 
 
+def most_tokens_per_second(
+    gains: list[float],
+    cost: Callable[[int], float],
+    base_tokens: float,
+    margin: float = _GAIN_MARGIN,
+) -> int:
+    """How many of ``gains`` to take, in order, for the most tokens per second: taking n emits
+    ``base_tokens`` plus the first n gains (expected tokens each adds) in ``cost(n)`` seconds.
+    0 unless some n beats taking none by ``margin``."""
+    best_n, best_rate = 0, margin * base_tokens / cost(0)
+    tokens = base_tokens
+    for n, gain in enumerate(gains, start=1):
+        tokens += gain
+        rate = tokens / cost(n)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
+
+
 class _AllKept:
     """The acceptance of drafts that are always kept: what the best case would pay."""
 
@@ -239,21 +259,20 @@ class AdaptiveDrafter(Drafter):
 
     # -- planning ---------------------------------------------------------------------------------
     def _best_length(
-        self, acceptance: Acceptance, limit: int, step: float = 0.0, margin: float = GAIN_MARGIN
+        self, acceptance: Acceptance, limit: int, step: float = 0.0, margin: float = _GAIN_MARGIN
     ) -> int:
         """The draft length with the most expected tokens per second (0: a plain step beats them
         all): a round drafting k emits 1 + sum_i prod_{j<=i} a_j tokens and costs k draft steps of
         ``step`` seconds plus a verify pass over k + 1 rows."""
-        plain = self.costs.verify_cost(1)
-        best_k, best_rate = 0, margin / plain
-        tokens, survive = 1.0, 1.0
-        for k in range(1, limit + 1):
-            survive *= acceptance.rate(k - 1)
-            tokens += survive
-            rate = tokens / (self.costs.verify_cost(k + 1) + k * step)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+        survive, kept = 1.0, []  # P(the k-th drafted token is kept)
+        for k in range(limit):
+            survive *= acceptance.rate(k)
+            kept.append(survive)
+
+        def cost(k: int) -> float:
+            return self.costs.verify_cost(k + 1) + k * step
+
+        return most_tokens_per_second(kept, cost, 1.0, margin)
 
     # -- drafting -------------------------------------------------------------------------------
     def draft(self, request: DraftRequest) -> Draft:

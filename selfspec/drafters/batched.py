@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from selfspec.drafters.adaptive import GAIN_MARGIN, Acceptance, AdaptiveDrafter, PassCosts
+from selfspec.drafters.adaptive import (
+    Acceptance,
+    AdaptiveDrafter,
+    PassCosts,
+    most_tokens_per_second,
+)
 from selfspec.drafters.base import RoundOutcome
 
 if TYPE_CHECKING:
@@ -82,17 +87,10 @@ class BatchDrafter:
         room = max(0, MAX_ROWS - batch)
         if not self.planned or not candidates:
             return min(len(candidates), room)
-        base = self.costs.verify_cost(batch)
-        if base is None:
+        if self.costs.verify_cost(batch) is None:
             return 0  # time a pass first
-        best_n, best_rate = 0, GAIN_MARGIN * batch / base
-        tokens = float(batch)
-        for n, (p, _) in enumerate(candidates[:room], start=1):
-            tokens += p
-            rate = tokens / self.costs.verify_cost(batch + n)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        return best_n
+        gains = [p for p, _ in candidates[:room]]
+        return most_tokens_per_second(gains, lambda n: self.costs.verify_cost(batch + n), batch)
 
     def observe(self, drafts: list[list[int]], kept: list[int], seconds: float | None) -> None:
         """The pass's outcome: each sequence's draft and how many of it the target kept, and the
