@@ -29,9 +29,9 @@ from selfspec.decode import (
     Generation,
     Stopper,
     accept,
-    begin_generation,
     check_request,
     make_generator,
+    prefill,
 )
 from selfspec.drafters.base import Draft, point_masses
 from selfspec.drafters.ngram import ContextIndex
@@ -73,11 +73,6 @@ class Sequence:
         return stats
 
 
-def _sequence_cache(runner: ModelRunner, prompt_ids: list[int], config: DecodeConfig) -> KVCache:
-    """A cache of its own for a new sequence: its prompt, its tokens and a draft past them."""
-    return runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
-
-
 def start_sequence(
     runner: ModelRunner,
     prompt_ids: list[int],
@@ -86,14 +81,14 @@ def start_sequence(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Sequence:
     """Prefill a new sequence into a cache of its own; its first token is committed."""
-    check_request(prompt_ids, config, runner)
-    started = time.perf_counter()
-    cache = _sequence_cache(runner, prompt_ids, config)
-    with runner.using(cache):
-        gen, generator = begin_generation(
-            runner, prompt_ids, config, tokenizer, on_tokens, DecodeStats()
-        )
-    return Sequence(cache, gen, config, generator, started)
+    sequence = admit_sequence(runner, prompt_ids, config, tokenizer, on_tokens)
+    t0 = time.perf_counter()
+    with runner.using(sequence.cache):
+        first = prefill(runner, prompt_ids, config.sampling, sequence.generator)
+    sequence.gen.stats.prefill_seconds = time.perf_counter() - t0
+    sequence.prompt_left = 0
+    sequence.gen.commit([first])
+    return sequence
 
 
 def can_chunk_prefill(runner: ModelRunner) -> bool:
@@ -114,7 +109,8 @@ def admit_sequence(
     chunks (see ``can_chunk_prefill``) and commits its first token after the last chunk."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
-    cache = _sequence_cache(runner, prompt_ids, config)
+    # its prompt, its tokens and a draft past them
+    cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
     generator = make_generator(config, runner.device)
     stopper = Stopper(config, tokenizer)
     gen = Generation(list(prompt_ids), [], DecodeStats(), stopper, on_tokens)
