@@ -10,10 +10,11 @@ and each gets the bits of a one-token pass, so a greedy sequence decodes to exac
 gets alone. Sequences join and leave between passes; a generation that ran alone,
 speculatively, can be paused and continued here.
 
-Where a row's bits do not depend on how many rows its pass holds at any length (speed mode
-gguf-q8: no BLAS path for long passes), a sequence that joins reads its prompt in chunks inside
-the batch's passes (``admit_sequence``) instead of one prefill that stops every other sequence:
-the others go on decoding, one pass per chunk, and its cache gets the bits a prefill gives.
+As a row's bits do not depend on how many rows its pass holds, at any length (the kernel modes
+run long passes through the same kernels, a chunk of rows at a time), a sequence that joins
+reads its prompt in chunks inside the batch's passes (``admit_sequence``) instead of one prefill
+that stops every other sequence: the others go on decoding, one pass per chunk, and its cache
+gets the bits a prefill gives.
 """
 
 from __future__ import annotations
@@ -91,13 +92,6 @@ def start_sequence(
     return sequence
 
 
-def can_chunk_prefill(runner: ModelRunner) -> bool:
-    """Whether ``admit_sequence`` may read prompts in chunks: the runner batches, and every row's
-    bits are those of a one-row pass at any row count (gguf-q8 has no BLAS path for long
-    passes; the float modes do, so their prefill must stay one pass)."""
-    return runner.can_batch and runner.loaded.speed == "gguf-q8"
-
-
 def admit_sequence(
     runner: ModelRunner,
     prompt_ids: list[int],
@@ -106,7 +100,7 @@ def admit_sequence(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Sequence:
     """A new sequence with a cache of its own and its prompt still to read: ``step`` reads it in
-    chunks (see ``can_chunk_prefill``) and commits its first token after the last chunk."""
+    chunks and commits its first token after the last chunk."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
     # its prompt, its tokens and a draft past them

@@ -30,10 +30,9 @@ from torch import nn
 from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
 from selfspec.gguffile import gguf_tensors
-from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, matmul_panels, pack_weight
+from selfspec.kernels import PANEL, in_row_chunks, pack_weight
 
 NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
-_DEQUANT_CHUNK_PANELS = 512  # bounds the float32 panels alive at once during prefill
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
 
 
@@ -293,18 +292,10 @@ class QuantLinear(nn.Module):
         panels = n // PANEL
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.quant_linear(
-                rows, self.quant_weight[:panels], self.format, self.group, bias
-            )
-        else:  # as PackedLinear does, over float32 panels rebuilt a chunk at a time
-            chunks = []
-            for first in range(0, panels, _DEQUANT_CHUNK_PANELS):
-                weight = self.dequantized_panels(first, min(panels, first + _DEQUANT_CHUNK_PANELS))
-                chunks.append(matmul_panels(rows, weight))
-            out = torch.cat(chunks, dim=1)
-            if bias is not None:
-                out = out + bias
+        weight, format, group = self.quant_weight[:panels], self.format, self.group
+        out = in_row_chunks(
+            lambda chunk: self.kernel.quant_linear(chunk, weight, format, group, bias), rows
+        )
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

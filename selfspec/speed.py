@@ -44,10 +44,9 @@ from torch import nn
 
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import (
-    KERNEL_MAX_ROWS,
     PANEL,
+    in_row_chunks,
     load_kernel,
-    matmul_panels,
     pack_weight,
     use_row_attention,
 )
@@ -106,12 +105,7 @@ class PackedLinear(nn.Module):
         weight = self.packed_weight[: n // PANEL]  # a prefix of the panels: a view, no copy
         bias = self.bias[:n] if self.bias is not None else None
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernel.packed_linear(rows, weight, bias)
-        else:
-            out = matmul_panels(rows, weight)
-            if bias is not None:
-                out = out + bias
+        out = in_row_chunks(lambda chunk: self.kernel.packed_linear(chunk, weight, bias), rows)
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

@@ -8,7 +8,6 @@ import pytest
 from selfspec.batch import (
     PREFILL_CHUNK,
     admit_sequence,
-    can_chunk_prefill,
     resume_sequence,
     start_sequence,
     step,
@@ -151,12 +150,8 @@ def test_a_planned_batch_drafts_only_where_rows_pay():
 
 
 def test_prompts_read_in_chunks_inside_the_batch_give_solo_tokens(engine):
-    """gguf-q8: a sequence that joins reads its prompt in chunks inside the batch's passes while
-    the others go on decoding; every sequence still gets exactly its solo tokens. The float modes
-    prefill long prompts another way (BLAS), so they do not chunk."""
-    if not can_chunk_prefill(engine.runner):
-        assert engine.loaded.speed != "gguf-q8"
-        return
+    """A sequence that joins reads its prompt in chunks inside the batch's passes while the others
+    go on decoding; every sequence still gets exactly its solo tokens."""
     long_prompt = "Here is a list of fruit: " + ", ".join(["apple", "pear", "plum"] * 40) + "."
     prompts, limits = [PROMPTS[0], long_prompt, PROMPTS[2]], [30, 20, 12]
     expected = [_alone(engine, p, n) for p, n in zip(prompts, limits)]

@@ -22,6 +22,7 @@ import hashlib
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCE = SOURCE_DIR / "module.cpp"  # includes the headers beside it
 PANEL = 16  # output columns per panel
-# Passes over at most this many tokens use the kernel, whose rows do not depend on each other:
-# every decode step, draft step and verify pass (max_draft_tokens <= 64, plus the pending token).
-# Longer passes (prefill) are compute-bound, where BLAS, batched over the panels, is faster.
+# Rows per kernel call: every decode step, draft step and verify pass (max_draft_tokens <= 64, plus
+# the pending token) in one call; longer passes (prefill) in chunks of this many rows, whose
+# activations stay in cache while each weight passes by them once. A row's sums do not depend on
+# the rows beside it, so a chunked prefill gives the logits of one-token passes.
 KERNEL_MAX_ROWS = 80
 ROW_ATTENTION = "selfspec_rows"  # the name the row attention is registered under in transformers
 
@@ -164,10 +166,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def matmul_panels(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] @ panels [P, K, 16] -> [M, 16P] with BLAS, for long (prefill) passes. The gguf
-    mode runs it too, on rebuilt panels, so both modes prefill with the same arithmetic."""
-    return torch.matmul(rows, panels).permute(1, 0, 2).reshape(rows.shape[0], -1)
+def in_row_chunks(kernel_call: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor):
+    """``kernel_call`` over rows [M, K], KERNEL_MAX_ROWS at a time; its rows, in order."""
+    if rows.shape[0] <= KERNEL_MAX_ROWS:
+        return kernel_call(rows)
+    step = KERNEL_MAX_ROWS
+    return torch.cat([kernel_call(rows[m : m + step]) for m in range(0, rows.shape[0], step)])
 
 
 def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) -> torch.Tensor:

@@ -17,7 +17,6 @@ namespace selfspec {
 constexpr int64_t kPackedKind = 0;  // float32 panels [P, K, 16] (speed mode packed)
 constexpr int64_t kQuantKind = 1;   // a GGUF file's integers, float32 arithmetic (gguf)
 constexpr int64_t kQ8Kind = 2;      // the same integers times 8-bit activations (gguf-q8)
-constexpr int64_t kDequantChunk = 512;  // panels rebuilt as float32 at once in long passes
 
 // One linear layer's weights as the kernel holds them.
 struct LinearRef {
@@ -26,7 +25,7 @@ struct LinearRef {
   int64_t format, group;
   c10::optional<torch::Tensor> bias;
   int64_t in_features, out_features;
-  int64_t max_rows;  // passes over more rows (prefill) use BLAS on float32 panels
+  int64_t max_rows;  // rows per kernel call: longer passes (prefill) go through in chunks
 
   // y = x W^T + b for x [M, K]; ``rows``: x already rounded to 8 bits (q8 only).
   torch::Tensor forward(const torch::Tensor& x, const QuantizedRows* rows = nullptr) const {
@@ -35,27 +34,15 @@ struct LinearRef {
       if (rows != nullptr) return q8_linear_rows(*rows, weight, format, group, bias, false);
       return q8_linear(x, weight, format, group, bias, false);
     }
-    if (M <= max_rows) {
-      return kind == kPackedKind ? packed_linear(x, weight, bias) : quant_linear(x, weight, format, group, bias);
-    }
-    torch::Tensor y;
-    if (kind == kPackedKind) {
-      y = panels_matmul(x, weight);
-    } else {
-      std::vector<torch::Tensor> chunks;
-      const int64_t P = weight.size(0);
-      for (int64_t first = 0; first < P; first += kDequantChunk) {
-        const int64_t last = std::min(P, first + kDequantChunk);
-        chunks.push_back(panels_matmul(x, dequantize_panels(weight.slice(0, first, last), format, group, in_features)));
-      }
-      y = torch::cat(chunks, 1);
-    }
-    return bias.has_value() && bias->defined() ? y + *bias : y;
+    if (M <= max_rows) return kernel(x);
+    // A chunk's rows stay in cache while every weight passes by them once.
+    std::vector<torch::Tensor> chunks;
+    for (int64_t m0 = 0; m0 < M; m0 += max_rows) chunks.push_back(kernel(x.slice(0, m0, std::min(M, m0 + max_rows))));
+    return torch::cat(chunks, 0);
   }
 
-  // rows [M, K] @ panels [P, K, 16] -> [M, 16P] with BLAS (as selfspec.kernels.matmul_panels).
-  static torch::Tensor panels_matmul(const torch::Tensor& x, const torch::Tensor& panels) {
-    return torch::matmul(x, panels).permute({1, 0, 2}).reshape({x.size(0), -1});
+  torch::Tensor kernel(const torch::Tensor& x) const {
+    return kind == kPackedKind ? packed_linear(x, weight, bias) : quant_linear(x, weight, format, group, bias);
   }
 };
 

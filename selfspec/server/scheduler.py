@@ -314,19 +314,17 @@ class Scheduler:
             self.batch.append(_Running(job, sequence, trimmer))
 
     def _start(self, job: Job) -> None:
-        """A job joins the batch: prefilled at once, or (where the runner allows) with its prompt
-        to be read in chunks inside the batch's passes, so the others need not wait for it."""
-        from selfspec.batch import admit_sequence, can_chunk_prefill, start_sequence
+        """A job joins the batch with its prompt to be read in chunks inside the batch's passes,
+        so the others need not wait for it."""
+        from selfspec.batch import admit_sequence
 
         runner = self.engine.runner
         if not runner.can_batch:
             self._solo(job)
             return
         trimmer = StopTrimmer(job.config.stop_strings)
-        chunked = can_chunk_prefill(runner)
-        begin = admit_sequence if chunked else start_sequence
         try:
-            sequence = begin(
+            sequence = admit_sequence(
                 runner,
                 job.prompt_ids,
                 job.config,
@@ -339,7 +337,7 @@ class Scheduler:
         if sequence.gen.stop:
             self._done(job, trimmer, sequence.finish())
         else:
-            self.batch.append(_Running(job, sequence, trimmer, prefilled_apart=not chunked))
+            self.batch.append(_Running(job, sequence, trimmer, prefilled_apart=False))
 
     def _step(self) -> None:
         """One pass for the whole batch; finished and cancelled jobs leave it."""
