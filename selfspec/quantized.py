@@ -310,8 +310,9 @@ class Q8Linear(QuantLinear):
     values, summed with integer dot products (AVX-512 VNNI, or AVX2's vpmaddubsw), as llama.cpp
     does. Not the float32 model's numerics, so not its logits; every pass, prefill included, runs
     the same per-row arithmetic, so speculation in this mode is still identical to plain decoding
-    in this mode. On AVX2 builds Q6_K layers hold six-bit panels (the file's 6.56 bits a weight
-    instead of the byte layout's 10; the same integers, so the same bits)."""
+    in this mode. Where the build has their tiles (VNNI, AVX2) Q6_K layers hold six-bit panels (the
+    file's 6.56 bits a weight instead of the byte layout's 10; the same integers, so the same
+    bits)."""
 
     vnni = True
 

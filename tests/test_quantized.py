@@ -131,7 +131,7 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
     module = quantized.Q8Linear.from_decoded(decoded, "Q6_K", bias, kernel)
     assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
     assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
-    for m in (1, 2, 3, 4, 5, 7, 13, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every VNNI tile shape, whole and cut short
         expected = kernel.q8_linear(x[:m], wq, quantized.BYTES, 16, bias, False)
         for reference in (False, True):
             got = kernel.q8_linear(x[:m], six, quantized.SIX_BITS, 16, bias, reference)

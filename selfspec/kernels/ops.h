@@ -79,7 +79,7 @@ inline torch::Tensor q8_linear(torch::Tensor x, torch::Tensor wq, int64_t format
 }
 
 inline bool q8_vectorized() { return kHaveQ8Vector; }
-// Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the AVX2 tiles; not VNNI builds).
+// Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the VNNI or AVX2 tiles).
 inline bool q8_six_bits() { return kHaveSixBitTiles; }
 
 

@@ -191,7 +191,6 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr bool kHaveVnni = true;
-constexpr bool kHaveSixBitTiles = false;  // VNNI builds keep Q6_K in the byte layout
 
 // Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
 // every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
@@ -312,6 +311,112 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
       T::get(rows)(quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
   }
 }
+
+// Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
+// low-nibble vector and bits 2t..2t+1 of the group's high-pair vector (16-bit shifts bring them
+// to bits 4..5; the mask drops what crossed from the neighbouring byte), I = sum u * a - 32 * S.
+template <int T>
+inline __m512i six_bit_u(__m512i low_nibbles, __m512i high_pairs) {
+  const __m512i lo = T % 2 == 0 ? low_nibbles : _mm512_srli_epi16(low_nibbles, 4);
+  __m512i hi = high_pairs;
+  if constexpr (T == 0) hi = _mm512_slli_epi16(high_pairs, 4);
+  if constexpr (T == 1) hi = _mm512_slli_epi16(high_pairs, 2);
+  if constexpr (T == 3) hi = _mm512_srli_epi16(high_pairs, 2);
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(15)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+}
+
+template <int ROWS, int PANELS, int T>
+inline void six_bit_step(const uint8_t* const (&q)[PANELS], const __m512i (&high)[PANELS], const int32_t* a,
+                         __m512i (&dot)[ROWS][PANELS]) {
+  __m512i u[PANELS];
+#pragma GCC unroll 4
+  for (int g = 0; g < PANELS; ++g) u[g] = six_bit_u<T>(_mm512_loadu_si512(q[g] + T / 2 * 64), high[g]);
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512i ar = _mm512_set1_epi32(a[T * ROWS + r]);
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], u[g], ar);
+  }
+}
+
+// As q8tile, over six-bit panels (G = 16): rows [0, ROWS) times panels [p0, p0 + PANELS).
+template <int ROWS, int PANELS>
+void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64_t M, int64_t K,
+                const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
+  using L = SixBitLayout;
+  const int32_t* s16 = static_cast<const int32_t*>(s16_v);
+  const int64_t panel_bytes = L::panel_bytes(K);
+  __m512 acc[ROWS][PANELS], d_super[PANELS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += 16) {
+    const int64_t gi = g0 / 16;
+    const uint8_t* q[PANELS];
+    __m512 scale[PANELS];
+    __m512i high[PANELS];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      if (gi % L::kSuperGroups == 0) d_super[g] = f16_to_vec(L::super(panel, gi));
+      const uint8_t* rec = L::group_prefetching(panel, gi);
+      scale[g] = _mm512_mul_ps(d_super[g], i8_to_vec(rec));
+      q[g] = rec + L::kGroupHeader;
+      high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
+    }
+    __m512i dot[ROWS][PANELS];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+    const int32_t* a = quads + (g0 / 4) * ROWS;
+    six_bit_step<ROWS, PANELS, 0>(q, high, a, dot);
+    six_bit_step<ROWS, PANELS, 1>(q, high, a, dot);
+    six_bit_step<ROWS, PANELS, 2>(q, high, a, dot);
+    six_bit_step<ROWS, PANELS, 3>(q, high, a, dot);
+    const float* dg = d_t + (g0 / kActBlock) * ROWS;
+    const int32_t* sg = s16 + gi * ROWS;
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 vd = _mm512_set1_ps(dg[r]);
+      const __m512i shift = _mm512_set1_epi32(32 * sg[r]);
+#pragma GCC unroll 4
+      for (int g = 0; g < PANELS; ++g) {
+        const __m512i I = _mm512_sub_epi32(dot[r][g], shift);
+        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) {
+      __m512 out = acc[r][g];
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
+      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
+    }
+}
+
+template <int PANELS, int... R>
+constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<int, R...>) {
+  return {&q8six_tile<R + 1, PANELS>...};
+}
+
+// One panel group of six-bit panels, tile by tile as q8_run_group.
+template <int PANELS>
+void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
+                     int64_t N, const float* bias) {
+  constexpr int kRows = kVnniPairs / PANELS;
+  static constexpr auto table = q8six_table<PANELS>(std::make_integer_sequence<int, kRows>{});
+  const int32_t* quads = a.quads.data_ptr<int32_t>();
+  const float* d_t = a.d_t.data_ptr<float>();
+  const int32_t* s16 = a.s16.data_ptr<int32_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
+      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, wq, p0, y + m0 * N, N,
+                      bias);
+  }
+}
+
+constexpr bool kHaveSixBitTiles = true;
 #elif defined(__AVX2__)
 constexpr bool kHaveVnni = false;
 
@@ -566,13 +671,24 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
   });
 }
 
-// Six-bit panels: the AVX2 tiles, or the scalar reference. The tiles unpack each weight vector once
-// per 4 rows. Passes gain from the fewer bytes while memory-bound; over 16 rows and more the
+// Six-bit panels: the VNNI or AVX2 tiles, or the scalar reference. The tiles unpack each weight
+// vector once per tile of rows. Passes gain from the fewer bytes while memory-bound; over 16 rows and more the
 // unpacking costs a little more than the bytes save (README: the 2026-11-24 kernel changes).
 inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
                        int64_t N, const float* bias, bool reference) {
   const int64_t panel_bytes = SixBitLayout::panel_bytes(K);
   at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+    if (!reference) {
+      const int panels = q8_vnni_panels(M);
+      for (int64_t g = g0; g < g1; ++g) {
+        if (panels == 4) q8six_run_group<4>(a, M, K, wq, g * kGroup, y, N, bias);
+        else if (panels == 2) q8six_run_group<2>(a, M, K, wq, g * kGroup, y, N, bias);
+        else q8six_run_group<1>(a, M, K, wq, g * kGroup, y, N, bias);
+      }
+      return;
+    }
+#endif
     for (int64_t p = g0 * kGroup; p < g1 * kGroup; ++p) {
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
       if (!reference) {
