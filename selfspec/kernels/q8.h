@@ -192,6 +192,26 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr bool kHaveVnni = true;
 
+// A tile's integer sums, zeroed at the start of each group.
+template <int ROWS, int PANELS>
+inline void zero_dots(__m512i (&dot)[ROWS][PANELS]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+}
+
+// A tile's rows of panels [p0, p0 + PANELS), plus the bias, into y.
+template <int ROWS, int PANELS>
+inline void store_tile(const __m512 (&acc)[ROWS][PANELS], float* y, int64_t N, int64_t p0, const float* bias) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) {
+      __m512 out = acc[r][g];
+      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
+      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
+    }
+}
+
 // Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
 // every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
 // come interleaved by row (QuantizedRows::quads, d_t and, per group, S for byte formats or d * S
@@ -218,10 +238,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
       q[g] = rec + L::kGroupHeader;
     }
     __m512i dot[ROWS][PANELS];
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+    zero_dots(dot);
     const int32_t* a_lo = quads + (g0 / 4) * ROWS;
     const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * ROWS;
 #pragma GCC unroll 8
@@ -264,12 +281,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) {
-      __m512 out = acc[r][g];
-      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
-      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
-    }
+  store_tile(acc, y, N, p0, bias);
 }
 
 using Q8TileFn = void (*)(const int32_t*, const float*, const void*, int64_t, int64_t, const uint8_t*, int64_t,
@@ -364,10 +376,7 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
       high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
     }
     __m512i dot[ROWS][PANELS];
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+    zero_dots(dot);
     const int32_t* a = quads + (g0 / 4) * ROWS;
     six_bit_step<ROWS, PANELS, 0>(q, high, a, dot);
     six_bit_step<ROWS, PANELS, 1>(q, high, a, dot);
@@ -386,12 +395,7 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) {
-      __m512 out = acc[r][g];
-      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
-      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
-    }
+  store_tile(acc, y, N, p0, bias);
 }
 
 template <int PANELS, int... R>
