@@ -136,17 +136,30 @@ struct Layout {
   }
   // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale and offset.
   static void scales(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
-    const uint8_t* rec = group(panel, gi);
-    if constexpr (FORMAT == kSuperNibbles) {
-      const uint8_t* super = panel + gi / kSuperGroups * kSuperBytes;
-      scale = vmul(f16_to_vec(super + 2 * v * kVec), u8_to_vec(rec + v * kVec));
-      offset = vneg(vmul(f16_to_vec(super + 2 * kPanel + 2 * v * kVec), u8_to_vec(rec + kPanel + v * kVec)));
-    } else {
-      const float* header = reinterpret_cast<const float*>(rec);
-      scale = vload(header + v * kVec);
-      offset = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
-    }
+    ScaleReader().read(panel, gi, v, scale, offset);
   }
+  // The same for one panel's lanes read group after group (a tile's walk through K): a
+  // superblock's d and dmin are converted once, not once per group.
+  struct ScaleReader {
+    int64_t super = -1;
+    vec d, dmin;
+    void read(const uint8_t* panel, int64_t gi, int v, vec& scale, vec& offset) {
+      const uint8_t* rec = group(panel, gi);
+      if constexpr (FORMAT == kSuperNibbles) {
+        if (gi / kSuperGroups != super) {
+          super = gi / kSuperGroups;
+          d = f16_to_vec(panel + super * kSuperBytes + 2 * v * kVec);
+          dmin = f16_to_vec(panel + super * kSuperBytes + 2 * kPanel + 2 * v * kVec);
+        }
+        scale = vmul(d, u8_to_vec(rec + v * kVec));
+        offset = vneg(vmul(dmin, u8_to_vec(rec + kPanel + v * kVec)));
+      } else {
+        const float* header = reinterpret_cast<const float*>(rec);
+        scale = vload(header + v * kVec);
+        offset = FORMAT == kNibbles ? vload(header + kPanel + v * kVec) : vzero();
+      }
+    }
+  };
 };
 
 // kSixBits (G = 16; Q6_K in mode gguf-q8, VNNI and AVX2 builds): the file's 6.56 bits a weight
@@ -205,6 +218,7 @@ void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0,
   vec acc[ROWS][V];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = vzero();
+  typename L::ScaleReader readers[V];
   for (int64_t g0 = k0; g0 < k1; g0 += G) {
     const uint8_t* q[PANELS];
     vec scale[V], offset[V];
@@ -213,8 +227,10 @@ void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0,
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
       const uint8_t* rec = L::group_prefetching(panel, g0 / G);
 #pragma GCC unroll 2
-      for (int v = 0; v < kVecPerPanel; ++v)
-        L::scales(panel, g0 / G, v, scale[g * kVecPerPanel + v], offset[g * kVecPerPanel + v]);
+      for (int v = 0; v < kVecPerPanel; ++v) {
+        const int i = g * kVecPerPanel + v;
+        readers[i].read(panel, g0 / G, v, scale[i], offset[i]);
+      }
       q[g] = rec + L::kGroupHeader;
     }
     // Every loop inside a group is fully unrolled: the accumulators then stay in registers for the

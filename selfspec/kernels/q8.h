@@ -227,6 +227,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
   __m512 acc[ROWS][PANELS];
   for (int r = 0; r < ROWS; ++r)
     for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
+  typename L::ScaleReader readers[PANELS];
   for (int64_t g0 = 0; g0 < K; g0 += G) {
     const uint8_t* q[PANELS];
     __m512 scale[PANELS], offset[PANELS];
@@ -234,7 +235,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
       const uint8_t* rec = L::group_prefetching(panel, g0 / G);
-      L::scales(panel, g0 / G, 0, scale[g], offset[g]);
+      readers[g].read(panel, g0 / G, 0, scale[g], offset[g]);
       q[g] = rec + L::kGroupHeader;
     }
     __m512i dot[ROWS][PANELS];
