@@ -306,3 +306,7 @@ def test_the_serving_bench_sends_each_streams_requests_in_turn():
     assert result["answers_identical_to_solo"] is True
     assert 4 <= result["completion_tokens"] <= 4 * 12
     assert result["together_engine_busy_seconds"] > 0
+    requests = result["per_request"]
+    assert len(requests) == 4
+    assert sum(r["completion_tokens"] for r in requests) == result["completion_tokens"]
+    assert all(r["prompt_tokens"] > 0 and r["together_seconds"] > 0 for r in requests)

@@ -67,7 +67,13 @@ def _one(client, model: str, prompt: str, tokens: int) -> dict:
     )
     seconds = time.perf_counter() - start
     made = reply.usage.completion_tokens
-    return {"text": reply.choices[0].message.content, "tokens": made, "tok_s": made / seconds}
+    return {
+        "text": reply.choices[0].message.content,
+        "prompt_tokens": reply.usage.prompt_tokens,
+        "tokens": made,
+        "seconds": seconds,
+        "tok_s": made / seconds,
+    }
 
 
 def _together(
@@ -126,6 +132,17 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         "together_seconds": round(seconds, 3),
         **_engine_split(start, before, "alone"),
         **_engine_split(before, after, "together"),
+        # each request: its prompt, its answer, and its seconds alone and among the streams
+        "per_request": [
+            {
+                "prompt_tokens": a["prompt_tokens"],
+                "completion_tokens": a["tokens"],
+                "alone_seconds": round(a["seconds"], 3),
+                "together_seconds": round(t["seconds"], 3),
+                "together_vs_alone": round(t["tok_s"] / a["tok_s"], 3),
+            }
+            for a, t in zip(alone, together)
+        ],
     }
 
 
