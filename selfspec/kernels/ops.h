@@ -4,7 +4,7 @@
 
 #include "attention.h"
 #include "linear.h"
-#include "q8.h"
+#include "q8six.h"
 
 namespace selfspec {
 

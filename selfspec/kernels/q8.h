@@ -162,33 +162,6 @@ void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint
   }
 }
 
-// The same formula over six-bit panels (SixBitLayout): I = sum u * a - 32 * S, the integer the
-// byte layout gives (u = q + 32), so the same bits.
-inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                                  float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
-  const int8_t* aq = a.q.data_ptr<int8_t>();
-  const float* ad = a.d.data_ptr<float>();
-  const int32_t* as = a.sums16.data_ptr<int32_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    float acc[kPanel] = {};
-    for (int64_t g0 = 0; g0 < K; g0 += 16) {
-      alignas(64) float scale[kPanel];
-      L::scale_array(panel, g0 / 16, scale);
-      const uint8_t* q = L::group(panel, g0 / 16) + L::kGroupHeader;
-      const int8_t* am = aq + m * K + g0;
-      const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
-      const int32_t S = as[m * (K / 16) + g0 / 16];
-      for (int j = 0; j < kPanel; ++j) {
-        int32_t I = 0;
-        for (int kk = 0; kk < 16; ++kk) I += L::u(q, j, kk) * am[kk];
-        acc[j] = std::fma(static_cast<float>(I - 32 * S), scale[j] * d, acc[j]);
-      }
-    }
-    for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
-  }
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr bool kHaveVnni = true;
 
@@ -325,103 +298,6 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
   }
 }
 
-// Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
-// low-nibble vector and bits 2t..2t+1 of the group's high-pair vector (16-bit shifts bring them
-// to bits 4..5; the mask drops what crossed from the neighbouring byte), I = sum u * a - 32 * S.
-template <int T>
-inline __m512i six_bit_u(__m512i low_nibbles, __m512i high_pairs) {
-  const __m512i lo = T % 2 == 0 ? low_nibbles : _mm512_srli_epi16(low_nibbles, 4);
-  __m512i hi = high_pairs;
-  if constexpr (T == 0) hi = _mm512_slli_epi16(high_pairs, 4);
-  if constexpr (T == 1) hi = _mm512_slli_epi16(high_pairs, 2);
-  if constexpr (T == 3) hi = _mm512_srli_epi16(high_pairs, 2);
-  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(15)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
-}
-
-template <int ROWS, int PANELS, int T>
-inline void six_bit_step(const uint8_t* const (&q)[PANELS], const __m512i (&high)[PANELS], const int32_t* a,
-                         __m512i (&dot)[ROWS][PANELS]) {
-  __m512i u[PANELS];
-#pragma GCC unroll 4
-  for (int g = 0; g < PANELS; ++g) u[g] = six_bit_u<T>(_mm512_loadu_si512(q[g] + T / 2 * 64), high[g]);
-#pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512i ar = _mm512_set1_epi32(a[T * ROWS + r]);
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], u[g], ar);
-  }
-}
-
-// As q8tile, over six-bit panels (G = 16): rows [0, ROWS) times panels [p0, p0 + PANELS).
-template <int ROWS, int PANELS>
-void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64_t M, int64_t K,
-                const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
-  const int32_t* s16 = static_cast<const int32_t*>(s16_v);
-  const int64_t panel_bytes = L::panel_bytes(K);
-  __m512 acc[ROWS][PANELS], d_super[PANELS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += 16) {
-    const int64_t gi = g0 / 16;
-    const uint8_t* q[PANELS];
-    __m512 scale[PANELS];
-    __m512i high[PANELS];
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) {
-      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      if (gi % L::kSuperGroups == 0) d_super[g] = f16_to_vec(L::super(panel, gi));
-      const uint8_t* rec = L::group_prefetching(panel, gi);
-      scale[g] = _mm512_mul_ps(d_super[g], i8_to_vec(rec));
-      q[g] = rec + L::kGroupHeader;
-      high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
-    }
-    __m512i dot[ROWS][PANELS];
-    zero_dots(dot);
-    const int32_t* a = quads + (g0 / 4) * ROWS;
-    six_bit_step<ROWS, PANELS, 0>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 1>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 2>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 3>(q, high, a, dot);
-    const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const int32_t* sg = s16 + gi * ROWS;
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 vd = _mm512_set1_ps(dg[r]);
-      const __m512i shift = _mm512_set1_epi32(32 * sg[r]);
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) {
-        const __m512i I = _mm512_sub_epi32(dot[r][g], shift);
-        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
-      }
-    }
-  }
-  store_tile(acc, y, N, p0, bias);
-}
-
-template <int PANELS, int... R>
-constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<int, R...>) {
-  return {&q8six_tile<R + 1, PANELS>...};
-}
-
-// One panel group of six-bit panels, tile by tile as q8_run_group.
-template <int PANELS>
-void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
-                     int64_t N, const float* bias) {
-  constexpr int kRows = kVnniPairs / PANELS;
-  static constexpr auto table = q8six_table<PANELS>(std::make_integer_sequence<int, kRows>{});
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
-  const int32_t* s16 = a.s16.data_ptr<int32_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
-      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, wq, p0, y + m0 * N, N,
-                      bias);
-  }
-}
-
-constexpr bool kHaveSixBitTiles = true;
 #elif defined(__AVX2__)
 constexpr bool kHaveVnni = false;
 
@@ -444,24 +320,6 @@ inline void store_panel_rows(const __m256 (&acc)[ROWS][2], float* y, int64_t N, 
       if (bias) out = _mm256_add_ps(out, _mm256_loadu_ps(bias + p * kPanel + h * 8));
       _mm256_storeu_ps(y + r * N + p * kPanel + h * 8, out);
     }
-}
-
-// Rows [0, ROWS) of a tile times two steps of six-bit weights (u = q + 32 in [0, 63], both halves
-// of the panel, steps t and t + 1): u * a needs no sign trick, and the pair sums of both steps add
-// up in int16 (at most 4 * 63 * 127), then widen once into dot.
-template <int ROWS>
-inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, const int32_t* a_t,
-                         const int32_t* a_t1, __m256i (&dot)[ROWS][2]) {
-  const __m256i ones16 = _mm256_set1_epi16(1);
-#pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) {
-    const __m256i a0 = _mm256_set1_epi32(a_t[r]);
-    const __m256i a1 = _mm256_set1_epi32(a_t1[r]);
-    const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(u0a, a0), _mm256_maddubs_epi16(u1a, a1));
-    const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(u0b, a0), _mm256_maddubs_epi16(u1b, a1));
-    dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(pa, ones16));
-    dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(pb, ones16));
-  }
 }
 
 // Rows [0, ROWS) times one panel over all of K, both halves (8 lanes each) of the panel at once:
@@ -559,89 +417,8 @@ void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   }
 }
 
-// Six-bit panels (SixBitLayout): per pair of steps, u rebuilt from a low-nibble vector and the
-// group's high-pair vector (16-bit shifts bring bits 2t..2t+1 to bits 4..5; the mask drops what
-// crossed from the neighbouring byte), then six_bit_rows.
-template <int T>
-inline __m256i six_bit_high(__m256i h) {
-  if constexpr (T == 0) return _mm256_slli_epi16(h, 4);
-  if constexpr (T == 1) return _mm256_slli_epi16(h, 2);
-  if constexpr (T == 2) return h;
-  return _mm256_srli_epi16(h, 2);
-}
-
-template <int ROWS, int T>
-inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_t* a,
-                          __m256i (&dot)[ROWS][2]) {
-  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
-  const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64));
-  const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64 + 32));
-  const __m256i u0a = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_and_si256(six_bit_high<T>(ha), high2));
-  const __m256i u0b = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_and_si256(six_bit_high<T>(hb), high2));
-  const __m256i u1a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
-                                      _mm256_and_si256(six_bit_high<T + 1>(ha), high2));
-  const __m256i u1b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
-                                      _mm256_and_si256(six_bit_high<T + 1>(hb), high2));
-  six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a + T * ROWS, a + (T + 1) * ROWS, dot);
-}
-
-template <int ROWS>
-void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16, int64_t M, int64_t K,
-                     const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
-  __m256 acc[ROWS][2], d_super[2];
-#pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += 16) {
-    const int64_t gi = g0 / 16;
-    if (gi % L::kSuperGroups == 0)
-      for (int h = 0; h < 2; ++h) d_super[h] = f16_to_vec(L::super(panel, gi) + 16 * h);
-    const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8_to_vec(rec)), _mm256_mul_ps(d_super[1], i8_to_vec(rec + 8))};
-    const uint8_t* q = rec + L::kGroupHeader;
-    const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
-    const int32_t* a = quads + (g0 / 4) * ROWS;
-    __m256i dot[ROWS][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    six_bit_steps<ROWS, 0>(q, ha, hb, a, dot);
-    six_bit_steps<ROWS, 2>(q, ha, hb, a, dot);
-    const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const int32_t* sg = s16 + gi * ROWS;
-#pragma GCC unroll 16
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 vd = _mm256_set1_ps(dg[r]);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(32 * sg[r]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale[h], vd), acc[r][h]);
-      }
-    }
-  }
-  store_panel_rows<ROWS>(acc, y, N, p, bias);
-}
-
-inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                             float* y, int64_t N, const float* bias) {
-  constexpr int kRows = kAvx2Rows;
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
-  const int32_t* s16 = a.s16.data_ptr<int32_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8six_tile_avx2<4>
-                 : rows == 3 ? &q8six_tile_avx2<3>
-                 : rows == 2 ? &q8six_tile_avx2<2>
-                             : &q8six_tile_avx2<1>;
-    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, panel, p, y + m0 * N, N, bias);
-  }
-}
-
-constexpr bool kHaveSixBitTiles = true;
 #else
 constexpr bool kHaveVnni = false;
-constexpr bool kHaveSixBitTiles = false;
 #endif
 #if defined(__AVX2__) || (defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
 constexpr bool kHaveQ8Vector = true;
@@ -672,36 +449,6 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
 #endif
       for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
         q8_reference_panel<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-    }
-  });
-}
-
-// Six-bit panels: the VNNI or AVX2 tiles, or the scalar reference. The tiles unpack each weight
-// vector once per tile of rows. Passes gain from the fewer bytes while memory-bound; over 16 rows and more the
-// unpacking costs a little more than the bytes save (README: the 2026-11-24 kernel changes).
-inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
-                       int64_t N, const float* bias, bool reference) {
-  const int64_t panel_bytes = SixBitLayout::panel_bytes(K);
-  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-    if (!reference) {
-      const int panels = q8_vnni_panels(M);
-      for (int64_t g = g0; g < g1; ++g) {
-        if (panels == 4) q8six_run_group<4>(a, M, K, wq, g * kGroup, y, N, bias);
-        else if (panels == 2) q8six_run_group<2>(a, M, K, wq, g * kGroup, y, N, bias);
-        else q8six_run_group<1>(a, M, K, wq, g * kGroup, y, N, bias);
-      }
-      return;
-    }
-#endif
-    for (int64_t p = g0 * kGroup; p < g1 * kGroup; ++p) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
-      if (!reference) {
-        q8six_panel_avx2(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-        continue;
-      }
-#endif
-      q8six_reference_panel(a, M, K, wq + p * panel_bytes, p, y, N, bias);
     }
   });
 }
