@@ -32,7 +32,6 @@ from selfspec.decode import (
     accept,
     check_request,
     make_generator,
-    prefill,
 )
 from selfspec.drafters.base import Draft, point_masses
 from selfspec.drafters.ngram import ContextIndex
@@ -72,24 +71,6 @@ class Sequence:
         stats.seconds = time.perf_counter() - self.started
         stats.stop_reason = self.gen.stop
         return stats
-
-
-def start_sequence(
-    runner: ModelRunner,
-    prompt_ids: list[int],
-    config: DecodeConfig,
-    tokenizer,
-    on_tokens: Callable[[list[int]], None] | None = None,
-) -> Sequence:
-    """Prefill a new sequence into a cache of its own; its first token is committed."""
-    sequence = admit_sequence(runner, prompt_ids, config, tokenizer, on_tokens)
-    t0 = time.perf_counter()
-    with runner.using(sequence.cache):
-        first = prefill(runner, prompt_ids, config.sampling, sequence.generator)
-    sequence.gen.stats.prefill_seconds = time.perf_counter() - t0
-    sequence.prompt_left = 0
-    sequence.gen.commit([first])
-    return sequence
 
 
 def admit_sequence(

@@ -9,10 +9,9 @@ from selfspec.batch import (
     PREFILL_CHUNK,
     admit_sequence,
     resume_sequence,
-    start_sequence,
     step,
 )
-from selfspec.decode import generate_ids
+from selfspec.decode import generate_ids, prefill
 from selfspec.drafters.batched import BatchDrafter
 
 pytestmark = pytest.mark.slow
@@ -36,13 +35,24 @@ def _alone(engine, prompt: str, tokens: int) -> list[int]:
     return engine.generate(prompt, None, max_new_tokens=tokens).token_ids
 
 
+def _prefilled(runner, prompt_ids, config, tokenizer):
+    """A new sequence whose prompt is read in one prefill pass of its own before it joins the
+    batch (the way a generation paused alone joins, too): its first token is committed."""
+    sequence = admit_sequence(runner, prompt_ids, config, tokenizer)
+    with runner.using(sequence.cache):
+        first = prefill(runner, prompt_ids, config.sampling, sequence.generator)
+    sequence.prompt_left = 0
+    sequence.gen.commit([first])
+    return sequence
+
+
 def test_a_batch_gives_each_sequence_its_solo_tokens(engine):
     expected = [_alone(engine, p, n) for p, n in zip(PROMPTS, LIMITS)]
     runner, tokenizer = engine.runner, engine.tokenizer
     active = []
     for i, (prompt, tokens) in enumerate(zip(PROMPTS, LIMITS)):
         config = engine.decode_config(None, max_new_tokens=tokens)
-        active.append((i, start_sequence(runner, engine.encode(prompt), config, tokenizer)))
+        active.append((i, _prefilled(runner, engine.encode(prompt), config, tokenizer)))
         step(runner, [s for _, s in active])  # the next one joins after a pass
     done = {}
     while active:
@@ -73,7 +83,7 @@ def test_a_paused_speculative_generation_goes_on_in_a_batch(engine):
     assert stats.stop_reason == "paused" and 0 < len(generated) < tokens
     first = resume_sequence(runner, engine.encode(prompt), generated, stats, config, tokenizer)
     other_config = engine.decode_config(None, max_new_tokens=10)
-    other = start_sequence(runner, engine.encode(PROMPTS[1]), other_config, tokenizer)
+    other = _prefilled(runner, engine.encode(PROMPTS[1]), other_config, tokenizer)
     while not first.gen.stop:
         step(runner, [s for s in (first, other) if not s.gen.stop])
     assert first.gen.generated == expected
@@ -91,7 +101,7 @@ REPEATING = [
 def _run_batch(engine, prompts, configs, drafter):
     runner, tokenizer = engine.runner, engine.tokenizer
     active = [
-        (i, start_sequence(runner, engine.encode(p), c, tokenizer))
+        (i, _prefilled(runner, engine.encode(p), c, tokenizer))
         for i, (p, c) in enumerate(zip(prompts, configs))
     ]
     done, rows = {}, []

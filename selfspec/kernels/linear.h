@@ -163,11 +163,11 @@ struct Layout {
 };
 
 // kSixBits (G = 16; Q6_K in mode gguf-q8, VNNI and AVX2 builds): the file's 6.56 bits a weight
-// instead of kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low nibbles and
-// 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3) is lane j's
-// bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in low-nibble
-// vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are bits
-// 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
+// instead of kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low
+// nibbles and 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3)
+// is lane j's bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in
+// low-nibble vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are
+// bits 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
 struct SixBitLayout {
   static constexpr int64_t kSuperHeader = 2 * kPanel;
   static constexpr int64_t kGroupHeader = kPanel;

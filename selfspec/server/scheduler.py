@@ -334,10 +334,8 @@ class Scheduler:
         except Exception as exc:
             self._fail(job, exc)
             return
-        if sequence.gen.stop:
-            self._done(job, trimmer, sequence.finish())
-        else:
-            self.batch.append(_Running(job, sequence, trimmer, prefilled_apart=False))
+        # nothing is committed before its prompt is read, so nothing can have stopped it yet
+        self.batch.append(_Running(job, sequence, trimmer, prefilled_apart=False))
 
     def _step(self) -> None:
         """One pass for the whole batch; finished and cancelled jobs leave it."""
