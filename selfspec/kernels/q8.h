@@ -207,7 +207,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
 #pragma GCC unroll 4
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G, panel_bytes, (PANELS - 1) * panel_bytes);
       readers[g].read(panel, g0 / G, 0, scale[g], offset[g]);
       q[g] = rec + L::kGroupHeader;
     }

@@ -82,7 +82,7 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
       if (gi % L::kSuperGroups == 0) d_super[g] = f16_to_vec(L::super(panel, gi));
-      const uint8_t* rec = L::group_prefetching(panel, gi);
+      const uint8_t* rec = L::group_prefetching(panel, gi, panel_bytes, (PANELS - 1) * panel_bytes);
       scale[g] = _mm512_mul_ps(d_super[g], i8_to_vec(rec));
       q[g] = rec + L::kGroupHeader;
       high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
