@@ -35,31 +35,117 @@ inline void axpy_row(float alpha, const float* x, float* y, int64_t D) {
 }
 
 
-// One query row of attention: out[D] = sum_j softmax_j(scale * q.k_j) v_j over the keys j < L
-// that ``visible(j)`` allows, in increasing j. Hidden keys are skipped, not added as zeros, so a
-// row's bits depend only on the keys it sees and their order: a row of a verify pass (or of a
-// token tree, whose rows see their ancestors only) equals a one-token pass over the same keys.
-// ``scores``: scratch of L floats.
-template <typename Visible>
-inline void attend_row(const float* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                       int64_t D, int64_t L, float scale, Visible visible, float* scores, float* out) {
-  float best = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {
-    const float s = visible(j) ? dot_row(q, k + j * k_stride, D) * scale : -INFINITY;
-    scores[j] = s;
-    best = std::max(best, s);
+#if defined(__AVX512F__)
+// r[i] becomes column i of the 16 x 16 matrix whose rows were r.
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-  if (best == -INFINITY) return;  // nothing visible: zeros
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(u[8 * h + i], u[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(u[8 * h + i], u[8 * h + 4 + i], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+// dot_row(q, k_j, D) for the 16 keys j0..j0+15, each with dot_row's bits: the same fused
+// multiply-adds per lane, then the lanes added one after another from zero, here for 16 keys at
+// once (lane jj of the column sums is key jj's sequence of additions).
+inline __m512 dot_rows16(const float* q, const float* k, int64_t k_stride, int64_t D) {
+  __m512 acc[16];
+  for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + jj * k_stride + d), acc[jj]);
+  }
+  transpose16(acc);
+  __m512 total = _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) total = _mm512_add_ps(total, acc[i]);
+  return total;
+}
+#endif
+
+// out[D] = sum over the visible j of p_j v_j (p_j = exp(scores[j] - best)), accumulated in j order
+// as axpy_row does, in NV registers instead of memory; returns the sum of the p_j in the same order.
+template <int NV>
+inline float weigh_values(const float* scores, float best, const float* v, int64_t v_stride, int64_t L, float* out) {
+  vec acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = vzero();
   float total = 0.0f;
   for (int64_t j = 0; j < L; ++j) {
     if (scores[j] == -INFINITY) continue;
     const float p = std::exp(scores[j] - best);
     total += p;
-    axpy_row(p, v + j * v_stride, out, D);
+    const vec vp = vset1(p);
+    for (int c = 0; c < NV; ++c) acc[c] = vfma(vp, vload(v + j * v_stride + c * kVec), acc[c]);
   }
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  for (int c = 0; c < NV; ++c) vstore(out + c * kVec, acc[c]);
+  return total;
+}
+
+// One query row of attention for each of the G heads that share a key-value head (queries q
+// [G, D], out [G, D]): out[h] = sum_j softmax_j(scale * q[h].k_j) v_j over the keys j < L that
+// ``visible(j)`` allows, in increasing j. Hidden keys are skipped, not added as zeros, so a row's
+// bits depend only on the keys it sees and their order: a row of a verify pass (or of a token tree,
+// whose rows see their ancestors only) equals a one-token pass over the same keys. Every sum
+// runs in the same order as dot_row's and axpy_row's, whatever the vector path.
+// ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
+template <typename Visible>
+inline void attend_group(const float* q, int64_t G, const float* k, int64_t k_stride, const float* v,
+                         int64_t v_stride, int64_t D, int64_t L, float scale, Visible visible, float* scores,
+                         float* best, float* out) {
+  for (int64_t h = 0; h < G; ++h) {
+    const float* qh = q + h * D;
+    float* sh = scores + h * L;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (D % 16 == 0)
+      for (; j + 16 <= L; j += 16)
+        _mm512_storeu_ps(sh + j, _mm512_mul_ps(dot_rows16(qh, k + j * k_stride, k_stride, D), _mm512_set1_ps(scale)));
+#endif
+    for (; j < L; ++j) sh[j] = dot_row(qh, k + j * k_stride, D) * scale;
+    best[h] = -INFINITY;
+    for (j = 0; j < L; ++j) {
+      if (!visible(j)) sh[j] = -INFINITY;
+      best[h] = std::max(best[h], sh[j]);
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    const float* sh = scores + h * L;
+    float* oh = out + h * D;
+    if (best[h] == -INFINITY) {  // nothing visible: zeros
+      for (int64_t d = 0; d < D; ++d) oh[d] = 0.0f;
+      continue;
+    }
+    float total = 0.0f;
+    if (D == 8 * kVec) {
+      total = weigh_values<8>(sh, best[h], v, v_stride, L, oh);
+    } else if (D == 4 * kVec) {
+      total = weigh_values<4>(sh, best[h], v, v_stride, L, oh);
+    } else {
+      for (int64_t d = 0; d < D; ++d) oh[d] = 0.0f;
+      for (int64_t j = 0; j < L; ++j) {
+        if (sh[j] == -INFINITY) continue;
+        const float p = std::exp(sh[j] - best[h]);
+        total += p;
+        axpy_row(p, v + j * v_stride, oh, D);
+      }
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+  }
 }
 
 }  // namespace selfspec

@@ -158,16 +158,17 @@ struct DecoderLayer {
     const float* qp = qs.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
-    at::parallel_for(0, M * heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores;
+    at::parallel_for(0, M * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores, best(group);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / heads, hk = (t % heads) / group, L = starts[m] + 1;
-        scores.resize(L);
+        const int64_t m = t / kv_heads, hk = t % kv_heads, L = starts[m] + 1;
+        scores.resize(group * L);
         const torch::Tensor& kc = keys[m];
         const torch::Tensor& vc = values[m];
-        attend_row(qp + t * D, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
-                   vc.data_ptr<float>() + hk * vc.stride(0), vc.stride(1), D, L, fscale,
-                   [](int64_t) { return true; }, scores.data(), op + t * D);
+        const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
+        attend_group(qp + first, group, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
+                     vc.data_ptr<float>() + hk * vc.stride(0), vc.stride(1), D, L, fscale,
+                     [](int64_t) { return true; }, scores.data(), best.data(), op + first);
       }
     });
     return h + o.forward(out);
@@ -182,15 +183,17 @@ struct DecoderLayer {
     const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
-    at::parallel_for(0, M * heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(L);
+    at::parallel_for(0, M * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores(group * L), best(group);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / heads, h = t % heads, hk = h / group;
+        const int64_t m = t / kv_heads, hk = t % kv_heads;
         const bool* row = mp ? mp + m * L : nullptr;
-        const int64_t last = start + m;
-        auto visible = [&](int64_t j) { return row ? row[j] : j <= last; };
-        attend_row(qp + t * D, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
-                   values.stride(1), D, L, fscale, visible, scores.data(), op + t * D);
+        // without a mask, row m sees keys 0..start+m: the later ones would only be skipped
+        const int64_t seen = row ? L : start + m + 1;
+        auto visible = [&](int64_t j) { return row ? row[j] : true; };
+        const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
+        attend_group(qp + first, group, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
+                     values.stride(1), D, seen, fscale, visible, scores.data(), best.data(), op + first);
       }
     });
   }
