@@ -136,14 +136,16 @@ def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [64, 128, 40])
 @pytest.mark.parametrize("causal", [True, False])
-def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
+def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal, dim):
     """Kernel modes compute attention one query row at a time: close to torch's SDPA (grouped
-    heads, bool and float masks, no mask), and a row's bits do not depend on the other rows."""
+    heads, bool and float masks, no mask), and a row's bits do not depend on the other rows.
+    37 keys: two blocks of 16 and a tail; head sizes with and without the register paths."""
     kernel = load_kernel()
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 6, 5, 64, generator=gen)
-    k, v = (torch.randn(2, 2, 37, 64, generator=gen) for _ in range(2))
+    q = torch.randn(2, 6, 5, dim, generator=gen)
+    k, v = (torch.randn(2, 2, 37, dim, generator=gen) for _ in range(2))
     offset = 37 - 5  # cached prefix: row i sees keys 0..offset+i
     allowed = torch.arange(37)[None, :] <= offset + torch.arange(5)[:, None]
     allowed = allowed[None, None].expand(2, 1, 5, 37)
@@ -159,9 +161,17 @@ def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal):
                 q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], 0.125, causal
             )
             assert torch.equal(row, got[:, i : i + 1])
+    # a mask of its own for each query head, heads of one group included
+    per_head = torch.rand(2, 6, 5, 37, generator=gen) < 0.5
+    per_head[..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=per_head, scale=0.125, enable_gqa=True
+    )
+    got = kernel.attention_rows(q, k, v, per_head, 0.125, causal)
+    assert torch.allclose(got, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
     # keys and values as the runner's cache hands them out (views of longer buffers), queries
     # transposed: read in place, same bits
-    buffers = [torch.cat([t, torch.randn(2, 2, 11, 64, generator=gen)], dim=2) for t in (k, v)]
+    buffers = [torch.cat([t, torch.randn(2, 2, 11, dim, generator=gen)], dim=2) for t in (k, v)]
     k_view, v_view = (b[:, :, :37] for b in buffers)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not k_view.is_contiguous() and not q_view.is_contiguous()

@@ -95,19 +95,19 @@ inline float weigh_values(const float* scores, float best, const float* v, int64
   return total;
 }
 
-// One query row of attention for each of the G heads that share a key-value head (queries q
-// [G, D], out [G, D]): out[h] = sum_j softmax_j(scale * q[h].k_j) v_j over the keys j < L that
-// ``visible(j)`` allows, in increasing j. Hidden keys are skipped, not added as zeros, so a row's
-// bits depend only on the keys it sees and their order: a row of a verify pass (or of a token tree,
-// whose rows see their ancestors only) equals a one-token pass over the same keys. Every sum
-// runs in the same order as dot_row's and axpy_row's, whatever the vector path.
-// ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
-template <typename Visible>
-inline void attend_group(const float* q, int64_t G, const float* k, int64_t k_stride, const float* v,
-                         int64_t v_stride, int64_t D, int64_t L, float scale, Visible visible, float* scores,
-                         float* best, float* out) {
+// One query row of attention for each of the G heads that share a key-value head (head h's query
+// at q + h * q_stride, its output at out + h * D): out[h] = sum_j softmax_j(s_hj) v_j over the keys
+// j < L, where s_hj = mask(h, j, scale * q[h].k_j) and -INFINITY hides key j. Hidden keys are
+// skipped, not added as zeros, so a row's bits depend only on the keys it sees and their order: a
+// row of a verify pass (or of a token tree, whose rows see their ancestors only) equals a
+// one-token pass over the same keys. Every sum runs in dot_row's and axpy_row's order, whatever
+// the vector path. ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
+template <typename Mask>
+inline void attend_group(const float* q, int64_t q_stride, int64_t G, const float* k, int64_t k_stride,
+                         const float* v, int64_t v_stride, int64_t D, int64_t L, float scale, Mask mask,
+                         float* scores, float* best, float* out) {
   for (int64_t h = 0; h < G; ++h) {
-    const float* qh = q + h * D;
+    const float* qh = q + h * q_stride;
     float* sh = scores + h * L;
     int64_t j = 0;
 #if defined(__AVX512F__)
@@ -118,7 +118,7 @@ inline void attend_group(const float* q, int64_t G, const float* k, int64_t k_st
     for (; j < L; ++j) sh[j] = dot_row(qh, k + j * k_stride, D) * scale;
     best[h] = -INFINITY;
     for (j = 0; j < L; ++j) {
-      if (!visible(j)) sh[j] = -INFINITY;
+      sh[j] = mask(h, j, sh[j]);
       best[h] = std::max(best[h], sh[j]);
     }
   }

@@ -166,9 +166,9 @@ struct DecoderLayer {
         const torch::Tensor& kc = keys[m];
         const torch::Tensor& vc = values[m];
         const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
-        attend_group(qp + first, group, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
+        attend_group(qp + first, D, group, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
                      vc.data_ptr<float>() + hk * vc.stride(0), vc.stride(1), D, L, fscale,
-                     [](int64_t) { return true; }, scores.data(), best.data(), op + first);
+                     [](int64_t, int64_t, float s) { return s; }, scores.data(), best.data(), op + first);
       }
     });
     return h + o.forward(out);
@@ -190,10 +190,10 @@ struct DecoderLayer {
         const bool* row = mp ? mp + m * L : nullptr;
         // without a mask, row m sees keys 0..start+m: the later ones would only be skipped
         const int64_t seen = row ? L : start + m + 1;
-        auto visible = [&](int64_t j) { return row ? row[j] : true; };
+        auto hide = [&](int64_t, int64_t j, float s) { return row && !row[j] ? -INFINITY : s; };
         const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
-        attend_group(qp + first, group, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
-                     values.stride(1), D, seen, fscale, visible, scores.data(), best.data(), op + first);
+        attend_group(qp + first, D, group, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
+                     values.stride(1), D, seen, fscale, hide, scores.data(), best.data(), op + first);
       }
     });
   }

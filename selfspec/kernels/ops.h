@@ -117,38 +117,22 @@ inline torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Ten
   float* op = out.data_ptr<float>();
   const int64_t group = Hq / Hkv;
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * Hq * M, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(L);
+  // one task per (batch, key-value head, row): the query heads sharing a key-value head together
+  at::parallel_for(0, B * Hkv * M, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(group * L), best(group);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / (Hq * M), h = t / M % Hq, i = t % M;
-      const float* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-      const float* kh = kp + b * k.stride(0) + h / group * k.stride(1);
-      const float* vh = vp + b * v.stride(0) + h / group * v.stride(1);
+      const int64_t b = t / (Hkv * M), hk = t / M % Hkv, i = t % M, h0 = hk * group;
+      const float* qi = qp + b * q.stride(0) + h0 * q.stride(1) + i * q.stride(2);
+      const float* kh = kp + b * k.stride(0) + hk * k.stride(1);
+      const float* vh = vp + b * v.stride(0) + hk * v.stride(1);
       const int64_t visible = !has_mask && causal && M > 1 ? std::min(L, i + 1) : L;
-      const int64_t mask_row = has_mask ? b * ms[0] + h * ms[1] + i * ms[2] : 0;
-      float best = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
-        float s = dot_row(qi, kh + j * k.stride(2), D) * fscale;
-        if (mask_bool) {
-          if (!mask_bool[mask_row + j * ms[3]]) s = -INFINITY;
-        } else if (mask_float) {
-          s += mask_float[mask_row + j * ms[3]];
-        }
-        scores[j] = s;
-        best = std::max(best, s);
-      }
-      float* oi = op + ((b * M + i) * Hq + h) * D;
-      std::fill(oi, oi + D, 0.0f);
-      if (best == -INFINITY) continue;  // nothing visible: zeros
-      float total = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
-        if (scores[j] == -INFINITY) continue;
-        const float p = std::exp(scores[j] - best);
-        total += p;
-        axpy_row(p, vh + j * v.stride(2), oi, D);
-      }
-      const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
+      const int64_t mask_row = has_mask ? b * ms[0] + h0 * ms[1] + i * ms[2] : 0;
+      auto masked = [&](int64_t h, int64_t j, float s) {
+        const int64_t at = mask_row + h * ms[1] + j * ms[3];
+        return mask_bool ? (mask_bool[at] ? s : -INFINITY) : mask_float ? s + mask_float[at] : s;
+      };
+      attend_group(qi, q.stride(1), group, kh, k.stride(2), vh, v.stride(2), D, visible, fscale, masked,
+                   scores.data(), best.data(), op + ((b * M + i) * Hq + h0) * D);
     }
   });
   return out;
