@@ -99,15 +99,6 @@ constexpr int kSixBits = 3;  // mode gguf-q8 only: see SixBitLayout
 #endif
 constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
 
-// Asks for the ``bytes`` at kQuantPrefetch past ``rec``, moved ``skip`` further when they lie at or
-// past ``end``; returns rec.
-inline const uint8_t* prefetch_ahead(const uint8_t* rec, int64_t bytes, const uint8_t* end, int64_t skip) {
-  const uint8_t* ahead = rec + kQuantPrefetch;
-  if (ahead >= end) ahead += skip;
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-  return rec;
-}
-
 template <int FORMAT, int G>
 struct Layout {
   static constexpr bool kNibbleQ = FORMAT != kBytes;
@@ -126,13 +117,12 @@ struct Layout {
     return panel + gi * kGroupBytes;
   }
   // As group(), asking for the bytes kQuantPrefetch ahead in the panel's stream: with many rows the
-  // loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle. Near the
-  // panel's end (panel_bytes) the bytes ahead move ``skip`` further on: a tile reading several
-  // adjacent panels at once reads next the same panel of its next tile, not the panel after.
-  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi, int64_t panel_bytes = 0,
-                                          int64_t skip = 0) {
+  // loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle.
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
     const uint8_t* rec = group(panel, gi);
-    return prefetch_ahead(rec, kGroupBytes, panel + panel_bytes, skip);
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+    return rec;
   }
   // Group gi's scale and offset for all kPanel lanes, as floats in memory (for code that does not
   // work in vec-wide steps: the scalar reference, the AVX2 q8 tiles on any vec width).
@@ -191,9 +181,11 @@ struct SixBitLayout {
   static const uint8_t* group(const uint8_t* panel, int64_t gi) {
     return super(panel, gi) + kSuperHeader + gi % kSuperGroups * kGroupBytes;
   }
-  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi, int64_t panel_bytes = 0,
-                                          int64_t skip = 0) {
-    return prefetch_ahead(group(panel, gi), kGroupBytes, panel + panel_bytes, skip);
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
+    const uint8_t* rec = group(panel, gi);
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+    return rec;
   }
   static void scale_array(const uint8_t* panel, int64_t gi, float* scale) {
     for (int v = 0; v < kVecPerPanel; ++v)

@@ -25,17 +25,18 @@ namespace selfspec {
 constexpr int kActBlock = 32;
 
 // How the vector paths cut a pass's rows into tiles; the runs below and the activations' layout
-// (q8_tile_height) both follow these. A VNNI tile holds at most kVnniPairs (row, panel) pairs, over
-// q8_vnni_panels(M) panels; an AVX2 tile holds kAvx2Rows rows of one panel.
-constexpr int kVnniPairs = 12;
+// (q8_tile_height) both follow these. A VNNI tile holds up to kVnniRows rows of one panel, an AVX2
+// tile kAvx2Rows. One panel at a time, even for one row: each thread then reads its weights as one
+// stream, which the memory system serves faster than several panels read side by side (one-token
+// passes 0.87x the time of tiles over 4 panels; README, 2026-11-25 night).
+constexpr int kVnniRows = 12;
 constexpr int kAvx2Rows = 4;
-inline int q8_vnni_panels(int64_t M) { return M == 1 ? 4 : M <= 6 ? 2 : 1; }
 
 // Rows of a vector tile: the vector paths take the rows of a pass in tiles of this height (the
 // last one shorter).
 inline int64_t q8_tile_height(int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  return kVnniPairs / q8_vnni_panels(M);
+  return kVnniRows;
 #elif defined(__AVX2__)
   return kAvx2Rows;
 #else
@@ -220,7 +221,7 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
 #pragma GCC unroll 4
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      const uint8_t* rec = L::group_prefetching(panel, g0 / G, panel_bytes, (PANELS - 1) * panel_bytes);
+      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
       readers[g].read(panel, g0 / G, 0, scale[g], offset[g]);
       q[g] = rec + L::kGroupHeader;
     }
@@ -283,7 +284,7 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<
 // two weight vectors: at most 12 pairs.
 template <int FORMAT, int G, int PANELS>
 struct Q8Tiles {
-  static constexpr int kRows = kVnniPairs / PANELS;
+  static constexpr int kRows = kVnniRows / PANELS;
   static Q8TileFn get(int rows) {
     static constexpr auto table = q8tile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
     return table[rows - 1];
@@ -447,10 +448,7 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
     for (int64_t g = g0; g < g1; ++g) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
       if (!reference) {
-        const int panels = q8_vnni_panels(M);
-        if (panels == 4) q8_run_group<FORMAT, G, 4>(a, M, K, wq, g * kGroup, y, N, bias);
-        else if (panels == 2) q8_run_group<FORMAT, G, 2>(a, M, K, wq, g * kGroup, y, N, bias);
-        else q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
+        q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
         continue;
       }
 #elif defined(__AVX2__)

@@ -82,7 +82,7 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
       if (gi % L::kSuperGroups == 0) d_super[g] = f16_to_vec(L::super(panel, gi));
-      const uint8_t* rec = L::group_prefetching(panel, gi, panel_bytes, (PANELS - 1) * panel_bytes);
+      const uint8_t* rec = L::group_prefetching(panel, gi);
       scale[g] = _mm512_mul_ps(d_super[g], i8_to_vec(rec));
       q[g] = rec + L::kGroupHeader;
       high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
@@ -119,7 +119,7 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<i
 template <int PANELS>
 void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
                      int64_t N, const float* bias) {
-  constexpr int kRows = kVnniPairs / PANELS;
+  constexpr int kRows = kVnniRows / PANELS;
   static constexpr auto table = q8six_table<PANELS>(std::make_integer_sequence<int, kRows>{});
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
@@ -247,12 +247,7 @@ inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
     if (!reference) {
-      const int panels = q8_vnni_panels(M);
-      for (int64_t g = g0; g < g1; ++g) {
-        if (panels == 4) q8six_run_group<4>(a, M, K, wq, g * kGroup, y, N, bias);
-        else if (panels == 2) q8six_run_group<2>(a, M, K, wq, g * kGroup, y, N, bias);
-        else q8six_run_group<1>(a, M, K, wq, g * kGroup, y, N, bias);
-      }
+      for (int64_t g = g0; g < g1; ++g) q8six_run_group<1>(a, M, K, wq, g * kGroup, y, N, bias);
       return;
     }
 #endif
