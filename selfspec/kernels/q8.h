@@ -180,78 +180,54 @@ void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint
 constexpr bool kHaveVnni = true;
 
 // A tile's integer sums, zeroed at the start of each group.
-template <int ROWS, int PANELS>
-inline void zero_dots(__m512i (&dot)[ROWS][PANELS]) {
+template <int ROWS>
+inline void zero_dots(__m512i (&dot)[ROWS]) {
 #pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_setzero_si512();
+  for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_setzero_si512();
 }
 
-// A tile's rows of panels [p0, p0 + PANELS), plus the bias, into y.
-template <int ROWS, int PANELS>
-inline void store_tile(const __m512 (&acc)[ROWS][PANELS], float* y, int64_t N, int64_t p0, const float* bias) {
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) {
-      __m512 out = acc[r][g];
-      if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + (p0 + g) * kPanel));
-      _mm512_storeu_ps(y + r * N + (p0 + g) * kPanel, out);
-    }
+// A tile's rows of panel p, plus the bias, into y.
+template <int ROWS>
+inline void store_tile(const __m512 (&acc)[ROWS], float* y, int64_t N, int64_t p, const float* bias) {
+  for (int r = 0; r < ROWS; ++r) {
+    __m512 out = acc[r];
+    if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + p * kPanel));
+    _mm512_storeu_ps(y + r * N + p * kPanel, out);
+  }
 }
 
-// Rows [0, ROWS) times panels [p0, p0 + PANELS) over all of K. Per group, the integer sums of
-// every (row, panel) pair stay in registers, then fold into the float accumulators. Activations
-// come interleaved by row (QuantizedRows::quads, d_t and, per group, S for byte formats or d * S
-// for nibble formats; this tile's block of each, row stride ROWS: TileMajor), so each step
-// reaches every row from one pointer plus a constant.
-template <int FORMAT, int G, int ROWS, int PANELS>
+// Rows [0, ROWS) times panel p over all of K. Per group, the integer sums of every row stay in
+// registers, then fold into the float accumulators. Activations come interleaved by row
+// (QuantizedRows::quads, d_t and, per group, S for byte formats or d * S for nibble formats; this
+// tile's block of each, row stride ROWS: TileMajor), so each step reaches every row from one
+// pointer plus a constant.
+template <int FORMAT, int G, int ROWS>
 void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int64_t M, int64_t K,
-            const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
+            const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
-  constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;  // 64-byte weight vectors per group and panel
-  const int64_t panel_bytes = L::panel_bytes(K);
+  constexpr int kSteps = L::kNibbleQ ? G / 8 : G / 4;  // 64-byte weight vectors per group
+  const uint8_t* panel = wq + p * L::panel_bytes(K);
   const __m512i low4 = _mm512_set1_epi8(15);
-  __m512 acc[ROWS][PANELS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
-  typename L::ScaleReader readers[PANELS];
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  typename L::ScaleReader reader;
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const uint8_t* q[PANELS];
-    __m512 scale[PANELS], offset[PANELS];
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) {
-      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      const uint8_t* rec = L::group_prefetching(panel, g0 / G);
-      readers[g].read(panel, g0 / G, 0, scale[g], offset[g]);
-      q[g] = rec + L::kGroupHeader;
-    }
-    __m512i dot[ROWS][PANELS];
+    __m512 scale, offset;
+    const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader;
+    reader.read(panel, g0 / G, 0, scale, offset);
+    __m512i dot[ROWS];
     zero_dots(dot);
     const int32_t* a_lo = quads + (g0 / 4) * ROWS;
     const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * ROWS;
 #pragma GCC unroll 8
     for (int t = 0; t < kSteps; ++t) {
-      __m512i w0[PANELS], w1[PANELS];
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) {
-        const __m512i v = _mm512_loadu_si512(q[g] + t * 64);
-        if constexpr (L::kNibbleQ) {
-          w0[g] = _mm512_and_si512(v, low4);
-          w1[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        } else {
-          w0[g] = v;
-        }
-      }
+      const __m512i v = _mm512_loadu_si512(q + t * 64);
+      const __m512i w0 = L::kNibbleQ ? _mm512_and_si512(v, low4) : v;
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 16
       for (int r = 0; r < ROWS; ++r) {
-        const __m512i a0 = _mm512_set1_epi32(a_lo[t * ROWS + r]);
-#pragma GCC unroll 4
-        for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w0[g], a0);
-        if constexpr (L::kNibbleQ) {
-          const __m512i a1 = _mm512_set1_epi32(a_hi[t * ROWS + r]);
-#pragma GCC unroll 4
-          for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], w1[g], a1);
-        }
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(a_lo[t * ROWS + r]));
+        if constexpr (L::kNibbleQ) dot[r] = _mm512_dpbusd_epi32(dot[r], w1, _mm512_set1_epi32(a_hi[t * ROWS + r]));
       }
     }
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
@@ -259,42 +235,34 @@ void q8tile(const int32_t* quads, const float* d_t, const void* group_sums, int6
     const float* cg = static_cast<const float*>(group_sums) + (g0 / G) * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 vd = _mm512_set1_ps(dg[r]);
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) {
-        __m512i I = dot[r][g];
-        if constexpr (!L::kNibbleQ) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sg[r]));
-        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
-        if constexpr (FORMAT != kBytes) acc[r][g] = _mm512_fmadd_ps(offset[g], _mm512_set1_ps(cg[r]), acc[r][g]);
-      }
+      __m512i I = dot[r];
+      if constexpr (!L::kNibbleQ) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * sg[r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
+      if constexpr (FORMAT != kBytes) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(cg[r]), acc[r]);
     }
   }
-  store_tile(acc, y, N, p0, bias);
+  store_tile(acc, y, N, p, bias);
 }
 
 using Q8TileFn = void (*)(const int32_t*, const float*, const void*, int64_t, int64_t, const uint8_t*, int64_t,
                           float*, int64_t, const float*);
 
-template <int FORMAT, int G, int PANELS, int... R>
+template <int FORMAT, int G, int... R>
 constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<int, R...>) {
-  return {&q8tile<FORMAT, G, R + 1, PANELS>...};
+  return {&q8tile<FORMAT, G, R + 1>...};
 }
 
-// Integer and float accumulators for every (row, panel) pair, beside each panel's scale, offset and
-// two weight vectors: at most 12 pairs.
-template <int FORMAT, int G, int PANELS>
-struct Q8Tiles {
-  static constexpr int kRows = kVnniRows / PANELS;
-  static Q8TileFn get(int rows) {
-    static constexpr auto table = q8tile_table<FORMAT, G, PANELS>(std::make_integer_sequence<int, kRows>{});
-    return table[rows - 1];
-  }
-};
+// Integer and float accumulators for every row of a tile, beside the panel's scale, offset and
+// weight vectors: at most kVnniRows rows.
+template <int FORMAT, int G>
+Q8TileFn q8tile_for(int rows) {
+  static constexpr auto table = q8tile_table<FORMAT, G>(std::make_integer_sequence<int, kVnniRows>{});
+  return table[rows - 1];
+}
 
-template <int FORMAT, int G, int PANELS>
+template <int FORMAT, int G>
 void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
                   int64_t N, const float* bias) {
-  using T = Q8Tiles<FORMAT, G, PANELS>;
   using L = Layout<FORMAT, G>;
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
@@ -303,12 +271,13 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
                                  : G == 16 ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
                                            : static_cast<const void*>(a.s32.data_ptr<int32_t>());
   const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
-  for (int64_t m0 = 0; m0 < M; m0 += T::kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(T::kRows, M - m0));
+  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
     // each array's block of this tile (TileMajor): its steps times the rows before it
     const void* sums_m0 = static_cast<const uint8_t*>(sums) + K / G * m0 * elem;
-    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
-      T::get(rows)(quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p0, y + m0 * N, N, bias);
+    for (int64_t p = p_begin; p < p_begin + kGroup; ++p)
+      q8tile_for<FORMAT, G>(rows)(quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p, y + m0 * N, N,
+                                  bias);
   }
 }
 
@@ -448,7 +417,7 @@ void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int
     for (int64_t g = g0; g < g1; ++g) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
       if (!reference) {
-        q8_run_group<FORMAT, G, 1>(a, M, K, wq, g * kGroup, y, N, bias);
+        q8_run_group<FORMAT, G>(a, M, K, wq, g * kGroup, y, N, bias);
         continue;
       }
 #elif defined(__AVX2__)

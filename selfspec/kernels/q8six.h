@@ -49,85 +49,63 @@ inline __m512i six_bit_u(__m512i low_nibbles, __m512i high_pairs) {
   return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(15)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
 }
 
-template <int ROWS, int PANELS, int T>
-inline void six_bit_step(const uint8_t* const (&q)[PANELS], const __m512i (&high)[PANELS], const int32_t* a,
-                         __m512i (&dot)[ROWS][PANELS]) {
-  __m512i u[PANELS];
-#pragma GCC unroll 4
-  for (int g = 0; g < PANELS; ++g) u[g] = six_bit_u<T>(_mm512_loadu_si512(q[g] + T / 2 * 64), high[g]);
+template <int ROWS, int T>
+inline void six_bit_step(const uint8_t* q, __m512i high, const int32_t* a, __m512i (&dot)[ROWS]) {
+  const __m512i u = six_bit_u<T>(_mm512_loadu_si512(q + T / 2 * 64), high);
 #pragma GCC unroll 16
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512i ar = _mm512_set1_epi32(a[T * ROWS + r]);
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) dot[r][g] = _mm512_dpbusd_epi32(dot[r][g], u[g], ar);
-  }
+  for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(a[T * ROWS + r]));
 }
 
-// As q8tile, over six-bit panels (G = 16): rows [0, ROWS) times panels [p0, p0 + PANELS).
-template <int ROWS, int PANELS>
+// As q8tile, over six-bit panels (G = 16): rows [0, ROWS) times panel p.
+template <int ROWS>
 void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64_t M, int64_t K,
-                const uint8_t* wq, int64_t p0, float* y, int64_t N, const float* bias) {
+                const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
   using L = SixBitLayout;
   const int32_t* s16 = static_cast<const int32_t*>(s16_v);
-  const int64_t panel_bytes = L::panel_bytes(K);
-  __m512 acc[ROWS][PANELS], d_super[PANELS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int g = 0; g < PANELS; ++g) acc[r][g] = _mm512_setzero_ps();
+  const uint8_t* panel = wq + p * L::panel_bytes(K);
+  __m512 acc[ROWS], d_super = _mm512_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 16) {
     const int64_t gi = g0 / 16;
-    const uint8_t* q[PANELS];
-    __m512 scale[PANELS];
-    __m512i high[PANELS];
-#pragma GCC unroll 4
-    for (int g = 0; g < PANELS; ++g) {
-      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
-      if (gi % L::kSuperGroups == 0) d_super[g] = f16_to_vec(L::super(panel, gi));
-      const uint8_t* rec = L::group_prefetching(panel, gi);
-      scale[g] = _mm512_mul_ps(d_super[g], i8_to_vec(rec));
-      q[g] = rec + L::kGroupHeader;
-      high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
-    }
-    __m512i dot[ROWS][PANELS];
+    if (gi % L::kSuperGroups == 0) d_super = f16_to_vec(L::super(panel, gi));
+    const uint8_t* rec = L::group_prefetching(panel, gi);
+    const __m512 scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
+    const uint8_t* q = rec + L::kGroupHeader;
+    const __m512i high = _mm512_loadu_si512(q + L::kLowBytes);
+    __m512i dot[ROWS];
     zero_dots(dot);
     const int32_t* a = quads + (g0 / 4) * ROWS;
-    six_bit_step<ROWS, PANELS, 0>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 1>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 2>(q, high, a, dot);
-    six_bit_step<ROWS, PANELS, 3>(q, high, a, dot);
+    six_bit_step<ROWS, 0>(q, high, a, dot);
+    six_bit_step<ROWS, 1>(q, high, a, dot);
+    six_bit_step<ROWS, 2>(q, high, a, dot);
+    six_bit_step<ROWS, 3>(q, high, a, dot);
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
     const int32_t* sg = s16 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 vd = _mm512_set1_ps(dg[r]);
-      const __m512i shift = _mm512_set1_epi32(32 * sg[r]);
-#pragma GCC unroll 4
-      for (int g = 0; g < PANELS; ++g) {
-        const __m512i I = _mm512_sub_epi32(dot[r][g], shift);
-        acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale[g], vd), acc[r][g]);
-      }
+      const __m512i I = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * sg[r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
     }
   }
-  store_tile(acc, y, N, p0, bias);
+  store_tile(acc, y, N, p, bias);
 }
 
-template <int PANELS, int... R>
+template <int... R>
 constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<int, R...>) {
-  return {&q8six_tile<R + 1, PANELS>...};
+  return {&q8six_tile<R + 1>...};
 }
 
 // One panel group of six-bit panels, tile by tile as q8_run_group.
-template <int PANELS>
-void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
-                     int64_t N, const float* bias) {
-  constexpr int kRows = kVnniRows / PANELS;
-  static constexpr auto table = q8six_table<PANELS>(std::make_integer_sequence<int, kRows>{});
+inline void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
+                            float* y, int64_t N, const float* bias) {
+  static constexpr auto table = q8six_table(std::make_integer_sequence<int, kVnniRows>{});
   const int32_t* quads = a.quads.data_ptr<int32_t>();
   const float* d_t = a.d_t.data_ptr<float>();
   const int32_t* s16 = a.s16.data_ptr<int32_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    for (int64_t p0 = p_begin; p0 < p_begin + kGroup; p0 += PANELS)
-      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, wq, p0, y + m0 * N, N,
+  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
+    for (int64_t p = p_begin; p < p_begin + kGroup; ++p)
+      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, wq, p, y + m0 * N, N,
                       bias);
   }
 }
@@ -247,7 +225,7 @@ inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8
   at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
     if (!reference) {
-      for (int64_t g = g0; g < g1; ++g) q8six_run_group<1>(a, M, K, wq, g * kGroup, y, N, bias);
+      for (int64_t g = g0; g < g1; ++g) q8six_run_group(a, M, K, wq, g * kGroup, y, N, bias);
       return;
     }
 #endif
