@@ -27,8 +27,8 @@ constexpr int kActBlock = 32;
 // How the vector paths cut a pass's rows into tiles; the runs below and the activations' layout
 // (q8_tile_height) both follow these. A VNNI tile holds up to kVnniRows rows of one panel, an AVX2
 // tile kAvx2Rows. One panel at a time, even for one row: each thread then reads its weights as one
-// stream, which the memory system serves faster than several panels read side by side (one-token
-// passes 0.87x the time of tiles over 4 panels; README, 2026-11-25 night).
+// stream, which the memory system serves faster than several panels read side by side (README,
+// "2026-11-25 (night)").
 constexpr int kVnniRows = 12;
 constexpr int kAvx2Rows = 4;
 
