@@ -27,14 +27,6 @@ inline float dot_row(const float* a, const float* b, int64_t D) {
   return total;
 }
 
-inline void axpy_row(float alpha, const float* x, float* y, int64_t D) {
-  int64_t d = 0;
-  const vec va = vset1(alpha);
-  for (; d + kVec <= D; d += kVec) vstore(y + d, vfma(va, vload(x + d), vload(y + d)));
-  for (; d < D; ++d) y[d] = std::fma(alpha, x[d], y[d]);
-}
-
-
 #if defined(__AVX512F__)
 // r[i] becomes column i of the 16 x 16 matrix whose rows were r.
 inline void transpose16(__m512 (&r)[16]) {
@@ -77,22 +69,36 @@ inline __m512 dot_rows16(const float* q, const float* k, int64_t k_stride, int64
 }
 #endif
 
-// out[D] = sum over the visible j of p_j v_j (p_j = exp(scores[j] - best)), accumulated in j order
-// as axpy_row does, in NV registers instead of memory; returns the sum of the p_j in the same order.
+// Columns [0, NV * kVec) of out = sum over the keys j not hidden (p[j] != -INFINITY) of p[j] v_j,
+// each column's multiply-adds one fused step per key in j order, in NV registers.
 template <int NV>
-inline float weigh_values(const float* scores, float best, const float* v, int64_t v_stride, int64_t L, float* out) {
+inline void weigh_columns(const float* p, const float* v, int64_t v_stride, int64_t L, float* out) {
   vec acc[NV];
   for (int c = 0; c < NV; ++c) acc[c] = vzero();
-  float total = 0.0f;
   for (int64_t j = 0; j < L; ++j) {
-    if (scores[j] == -INFINITY) continue;
-    const float p = std::exp(scores[j] - best);
-    total += p;
-    const vec vp = vset1(p);
-    for (int c = 0; c < NV; ++c) acc[c] = vfma(vp, vload(v + j * v_stride + c * kVec), acc[c]);
+    if (p[j] == -INFINITY) continue;
+    const vec pj = vset1(p[j]);
+    for (int c = 0; c < NV; ++c) acc[c] = vfma(pj, vload(v + j * v_stride + c * kVec), acc[c]);
   }
   for (int c = 0; c < NV; ++c) vstore(out + c * kVec, acc[c]);
-  return total;
+}
+
+// out[D] = sum_j p[j] v_j over the keys not hidden, column block by column block (each column's
+// sum is the same whatever block holds it), the last D % kVec columns one at a time.
+inline void weigh_values(const float* p, const float* v, int64_t v_stride, int64_t D, int64_t L, float* out) {
+  int64_t d = 0;
+  for (; d + 8 * kVec <= D; d += 8 * kVec) weigh_columns<8>(p, v + d, v_stride, L, out + d);
+  if (d + 4 * kVec <= D) {
+    weigh_columns<4>(p, v + d, v_stride, L, out + d);
+    d += 4 * kVec;
+  }
+  for (; d + kVec <= D; d += kVec) weigh_columns<1>(p, v + d, v_stride, L, out + d);
+  for (; d < D; ++d) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < L; ++j)
+      if (p[j] != -INFINITY) acc = std::fma(p[j], v[j * v_stride + d], acc);
+    out[d] = acc;
+  }
 }
 
 // One query row of attention for each of the G heads that share a key-value head (head h's query
@@ -100,8 +106,8 @@ inline float weigh_values(const float* scores, float best, const float* v, int64
 // j < L, where s_hj = mask(h, j, scale * q[h].k_j) and -INFINITY hides key j. Hidden keys are
 // skipped, not added as zeros, so a row's bits depend only on the keys it sees and their order: a
 // row of a verify pass (or of a token tree, whose rows see their ancestors only) equals a
-// one-token pass over the same keys. Every sum runs in dot_row's and axpy_row's order, whatever
-// the vector path. ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
+// one-token pass over the same keys. Every sum runs in one fixed order (dot_row's for the scores,
+// key order for the values), whatever the vector path. ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
 template <typename Mask>
 inline void attend_group(const float* q, int64_t q_stride, int64_t G, const float* k, int64_t k_stride,
                          const float* v, int64_t v_stride, int64_t D, int64_t L, float scale, Mask mask,
@@ -123,26 +129,20 @@ inline void attend_group(const float* q, int64_t q_stride, int64_t G, const floa
     }
   }
   for (int64_t h = 0; h < G; ++h) {
-    const float* sh = scores + h * L;
+    float* sh = scores + h * L;
     float* oh = out + h * D;
     if (best[h] == -INFINITY) {  // nothing visible: zeros
       for (int64_t d = 0; d < D; ++d) oh[d] = 0.0f;
       continue;
     }
+    // p_j = exp(s_j - best) in place of s_j; hidden keys keep -INFINITY and are skipped
     float total = 0.0f;
-    if (D == 8 * kVec) {
-      total = weigh_values<8>(sh, best[h], v, v_stride, L, oh);
-    } else if (D == 4 * kVec) {
-      total = weigh_values<4>(sh, best[h], v, v_stride, L, oh);
-    } else {
-      for (int64_t d = 0; d < D; ++d) oh[d] = 0.0f;
-      for (int64_t j = 0; j < L; ++j) {
-        if (sh[j] == -INFINITY) continue;
-        const float p = std::exp(sh[j] - best[h]);
-        total += p;
-        axpy_row(p, v + j * v_stride, oh, D);
-      }
+    for (int64_t j = 0; j < L; ++j) {
+      if (sh[j] == -INFINITY) continue;
+      sh[j] = std::exp(sh[j] - best[h]);
+      total += sh[j];
     }
+    weigh_values(sh, v, v_stride, D, L, oh);
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
   }
