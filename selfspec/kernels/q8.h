@@ -252,33 +252,33 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<
   return {&q8tile<FORMAT, G, R + 1>...};
 }
 
-// Integer and float accumulators for every row of a tile, beside the panel's scale, offset and
-// weight vectors: at most kVnniRows rows.
-template <int FORMAT, int G>
-Q8TileFn q8tile_for(int rows) {
-  static constexpr auto table = q8tile_table<FORMAT, G>(std::make_integer_sequence<int, kVnniRows>{});
-  return table[rows - 1];
+// One panel group's tiles: the rows in tiles of up to kVnniRows, each tile over each panel of the
+// group. ``table``: the tile for each row count; ``sums``: the per-group activation sums the tiles
+// read, ``sum_steps`` entries a row (TileMajor, like quads and d_t).
+inline void q8_run_tiles(const Q8TileFn* table, const QuantizedRows& a, const void* sums, int64_t sum_steps,
+                         int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y, int64_t N,
+                         const float* bias) {
+  const int32_t* quads = a.quads.data_ptr<int32_t>();
+  const float* d_t = a.d_t.data_ptr<float>();
+  const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
+  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
+    // each array's block of this tile (TileMajor): its steps times the rows before it
+    const void* sums_m0 = static_cast<const uint8_t*>(sums) + sum_steps * m0 * elem;
+    for (int64_t p = p_begin; p < p_begin + kGroup; ++p)
+      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p, y + m0 * N, N, bias);
+  }
 }
 
 template <int FORMAT, int G>
 void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
                   int64_t N, const float* bias) {
-  using L = Layout<FORMAT, G>;
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
+  static constexpr auto table = q8tile_table<FORMAT, G>(std::make_integer_sequence<int, kVnniRows>{});
   // per group: S (byte formats subtract 128 * S) or d * S (nibble formats' offsets)
-  const void* sums = L::kNibbleQ ? static_cast<const void*>(a.ds32.data_ptr<float>())
-                                 : G == 16 ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
-                                           : static_cast<const void*>(a.s32.data_ptr<int32_t>());
-  const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
-  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
-    // each array's block of this tile (TileMajor): its steps times the rows before it
-    const void* sums_m0 = static_cast<const uint8_t*>(sums) + K / G * m0 * elem;
-    for (int64_t p = p_begin; p < p_begin + kGroup; ++p)
-      q8tile_for<FORMAT, G>(rows)(quads + K / 4 * m0, d_t + K / kActBlock * m0, sums_m0, M, K, wq, p, y + m0 * N, N,
-                                  bias);
-  }
+  const void* sums = Layout<FORMAT, G>::kNibbleQ ? static_cast<const void*>(a.ds32.data_ptr<float>())
+                     : G == 16                   ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
+                                                 : static_cast<const void*>(a.s32.data_ptr<int32_t>());
+  q8_run_tiles(table.data(), a, sums, K / G, M, K, wq, p_begin, y, N, bias);
 }
 
 #elif defined(__AVX2__)

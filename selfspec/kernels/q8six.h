@@ -99,15 +99,7 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<i
 inline void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
                             float* y, int64_t N, const float* bias) {
   static constexpr auto table = q8six_table(std::make_integer_sequence<int, kVnniRows>{});
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
-  const int32_t* s16 = a.s16.data_ptr<int32_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
-    for (int64_t p = p_begin; p < p_begin + kGroup; ++p)
-      table[rows - 1](quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, wq, p, y + m0 * N, N,
-                      bias);
-  }
+  q8_run_tiles(table.data(), a, a.s16.data_ptr<int32_t>(), K / 16, M, K, wq, p_begin, y, N, bias);
 }
 
 constexpr bool kHaveSixBitTiles = true;
