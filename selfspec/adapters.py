@@ -13,8 +13,8 @@ import hashlib
 
 import torch
 
+from selfspec.drafthead import DraftVocab, head_logits
 from selfspec.errors import SelfSpecError
-from selfspec.kernels import linear_prefix
 from selfspec.plan import ModelIdentity
 
 
@@ -72,9 +72,10 @@ class DecoderAdapter:
         out = layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden.to(out.device) + out
 
-    def logits(self, hidden, vocab: int | None = None) -> torch.Tensor:
-        """Logits over the whole vocabulary, or over its first ``vocab`` token ids only."""
-        return linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
+    def logits(self, hidden, vocab: int | DraftVocab | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary, over its first ``vocab`` token ids only, or over a
+        draft's ``DraftVocab`` (its prefix, then its extra ids)."""
+        return head_logits(self.model.lm_head, self.decoder.norm(hidden), vocab)
 
     def gguf_row_order(self, gguf_name: str, rows: int):
         """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same
@@ -135,7 +136,7 @@ class Gemma3Adapter(DecoderAdapter):
         return hidden.to(out.device) + out
 
     def logits(self, hidden, vocab=None):
-        logits = linear_prefix(self.model.lm_head, self.decoder.norm(hidden), vocab)
+        logits = head_logits(self.model.lm_head, self.decoder.norm(hidden), vocab)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -152,7 +152,7 @@ class Engine:
                 f"no skip plan for {name}: pass one, or run `selfspec search --model {name}`."
             )
         check_plan_matches(plan, self.identity)
-        return SelfSkipDrafter(self.runner, plan)
+        return SelfSkipDrafter(self.runner, plan, stop_ids=self.eos_ids())
 
     def model_drafter(self, draft: str | LoadedModel | Engine) -> ModelDrafter:
         if isinstance(draft, Engine):

@@ -287,15 +287,22 @@ class QuantLinear(nn.Module):
             self.quant_weight[first:last], self.format, self.group, self.in_features
         )
 
-    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
-        n = out_features or self.out_features
-        panels = n // PANEL
-        bias = self.bias[:n] if self.bias is not None else None
-        rows = x.reshape(-1, self.in_features)
-        weight, format, group = self.quant_weight[:panels], self.format, self.group
-        out = in_row_chunks(
+    @property
+    def panel_weight(self) -> torch.Tensor:
+        return self.quant_weight
+
+    def run_panels(self, rows: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """rows [M, in_features] times ``weight`` (some of this layer's panels) + ``bias``."""
+        format, group = self.format, self.group
+        return in_row_chunks(
             lambda chunk: self.kernel.quant_linear(chunk, weight, format, group, bias), rows
         )
+
+    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
+        n = out_features or self.out_features
+        bias = self.bias[:n] if self.bias is not None else None
+        weight = self.quant_weight[: n // PANEL]
+        out = self.run_panels(x.reshape(-1, self.in_features), weight, bias)
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
@@ -319,13 +326,8 @@ class Q8Linear(QuantLinear):
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         raise NotImplementedError("gguf-q8 panels are arranged for integer dot products")
 
-    def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
-        n = out_features or self.out_features
-        bias = self.bias[:n] if self.bias is not None else None
-        rows = x.reshape(-1, self.in_features)
-        weight = self.quant_weight[: n // PANEL]
-        out = self.kernel.q8_linear(rows, weight, self.format, self.group, bias, False)
-        return out.view(*x.shape[:-1], n)
+    def run_panels(self, rows: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        return self.kernel.q8_linear(rows, weight, self.format, self.group, bias, False)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", activations rounded to 8 bits"

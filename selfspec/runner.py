@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.adapters import adapter_for
+
+if TYPE_CHECKING:
+    from selfspec.drafthead import DraftVocab
 
 
 class KVCache:
@@ -175,12 +179,13 @@ class ModelRunner:
         resume: Resume | None = None,
         capture_at: int | None = None,
         last_logits_only: bool = False,
-        vocab: int | None = None,
+        vocab: int | DraftVocab | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score ``input_ids`` ([n] tokens at positions start..start+n-1).
 
         Returns (logits [n, vocab], hidden entering sublayer ``capture_at`` [1, n, hidden] or None).
-        With ``vocab``, only the first ``vocab`` token ids are scored (a cheaper draft head).
+        With ``vocab``, only the first ``vocab`` token ids are scored (a cheaper draft head), or a
+        ``DraftVocab``'s ids (its prefix, then its extra ids).
         With ``resume``, its rows are the first tokens' hidden states entering ``resume.sublayer``;
         only the remaining tokens run the sublayers before it.
         """

@@ -98,14 +98,21 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
+    @property
+    def panel_weight(self) -> torch.Tensor:
+        return self.packed_weight
+
+    def run_panels(self, rows: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        """rows [M, in_features] times ``weight`` (some of this layer's panels) + ``bias``."""
+        return in_row_chunks(lambda chunk: self.kernel.packed_linear(chunk, weight, bias), rows)
+
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features``: compute only the first outputs (a multiple of 64), reading only their
         weights."""
         n = out_features or self.out_features
         weight = self.packed_weight[: n // PANEL]  # a prefix of the panels: a view, no copy
         bias = self.bias[:n] if self.bias is not None else None
-        rows = x.reshape(-1, self.in_features)
-        out = in_row_chunks(lambda chunk: self.kernel.packed_linear(chunk, weight, bias), rows)
+        out = self.run_panels(x.reshape(-1, self.in_features), weight, bias)
         return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:

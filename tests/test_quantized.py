@@ -12,6 +12,7 @@ from test_engine import PROMPTS, plans_for
 from selfspec import gguffile, quantized
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, kernel_available, load_kernel, pack_weight
+from selfspec.plan import DraftPolicy
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the CPU kernel cannot be built here"
@@ -314,3 +315,41 @@ def test_gguf_modes_have_their_own_default_plans():
         assert plan.parent.name == mode and plan.is_file()
         assert load_plan(plan).provenance["speed_mode"] == mode
     assert packaged_plan("qwen2.5-coder-1.5b", "packed") == packaged_plan("qwen2.5-coder-1.5b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["torch", "packed", "gguf", "gguf-q8"])
+def test_draft_head_scores_context_ids_with_the_full_head_s_bits(mode, request):
+    """A draft head over the first ids plus the ids the context used (and the stop tokens): those
+    ids get the full head's logits (bit for bit in the kernel's modes), every other id -inf; a
+    draft can then propose them, and decoding stays identical to plain decoding."""
+    from selfspec.drafthead import DraftVocab
+
+    fixture = {"torch": "qwen05", "packed": "qwen05_packed", "gguf": "qwen05_gguf"}
+    engine = request.getfixturevalue(fixture.get(mode, "qwen05_q8"))
+    head, rows = engine.loaded.model.lm_head, engine.runner.head_rows
+    vocab = DraftVocab(1024, rows, always=engine.eos_ids())
+    vocab.follow([5, 70000, 2000, 70000, 3000, rows - 1])
+    assert vocab.extra == [*engine.eos_ids(), 70000, 2000, 3000, rows - 1]
+    x = torch.randn(2, head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full, part = head(x), vocab.logits(head, x)
+    # the kernel's rows stand alone; torch's float matmul blocks a smaller product differently
+    same = torch.equal if mode != "torch" else lambda a, b: torch.allclose(a, b, atol=1e-5)
+    assert same(part, torch.cat([full[:, :1024], full[:, vocab.extra]], dim=1))
+    spread = vocab.spread(part[0])
+    scored = torch.zeros(rows, dtype=torch.bool)
+    scored[:1024], scored[vocab.extra] = True, True
+    assert same(spread[scored], full[0, scored]) and bool(torch.isinf(spread[~scored]).all())
+
+    # a prefix too small for the text: the extra ids are what lets most drafts through
+    ids = engine.encode(PROMPTS[0], chat=True)
+    plain = engine.generate(ids, None, max_new_tokens=24)
+    plan = engine.make_plan([12], [], DraftPolicy(draft_vocab=64))
+    drafter = engine.layer_skip_drafter(plan)
+    drafted = []
+    draft = drafter.draft
+    drafter.draft = lambda request: drafted.append(draft(request)) or drafted[-1]
+    result = engine.generate(ids, drafter, max_new_tokens=24)
+    assert result.token_ids == plain.token_ids
+    assert any(t >= 64 for d in drafted for t in d.tokens)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from selfspec import decode
+from selfspec.drafthead import DraftVocab
 from selfspec.sampling import Sampling, accept_sampled, sample
 
 SIGNIFICANCE = 1e-3
@@ -95,10 +96,8 @@ def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):
     )
     config.eos_token_ids = ()
     drafter = engine.layer_skip_drafter(plan)
-    if draft_vocab:
-        drafter.draft_vocab = (
-            draft_vocab  # plans ask for multiples of 64; this model has only 64 tokens
-        )
+    if draft_vocab:  # plans ask for multiples of 64; this model has only 64 tokens
+        drafter.vocab = DraftVocab(draft_vocab, 64)
     counts = torch.zeros(64)
     for seed in range(n):
         config.seed = seed
@@ -121,8 +120,8 @@ def test_speculative_sampling_end_to_end_matches_target(peaked_tiny, monkeypatch
 
 
 def test_sampling_with_a_partial_draft_head_matches_target(peaked_tiny):
-    """Drafts that can only propose the first token ids (q = 0 beyond) still leave the target's
-    distribution."""
+    """Drafts that can only propose the first token ids and those the context used (q = 0 for
+    the rest) still leave the target's distribution."""
     engine = peaked_tiny
     prompt = [5, 17, 33, 2]
     sampling = Sampling(temperature=4.0)  # spread the peaked model's mass over several tokens

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.drafters.base import Draft, Drafter, DraftRequest, draft_loop
+from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, draft_loop
+from selfspec.drafthead import DraftVocab
 from selfspec.runner import Resume
 
 if TYPE_CHECKING:
@@ -23,7 +24,9 @@ class SelfSkipDrafter(Drafter):
 
     name = "layer_skip"
 
-    def __init__(self, runner: ModelRunner, plan: SkipPlan):
+    def __init__(self, runner: ModelRunner, plan: SkipPlan, stop_ids: tuple[int, ...] = ()):
+        """``stop_ids``: the tokens that end a generation; a draft head that scores only some
+        ids (the plan's ``draft_vocab``) scores these too, and every id the context has used."""
         super().__init__()
         self.runner = runner
         self.plan = plan
@@ -32,7 +35,15 @@ class SelfSkipDrafter(Drafter):
         self.resume_at = plan.first_skipped_sublayer()
         draft_vocab = plan.policy.draft_vocab
         self.draft_vocab = draft_vocab if draft_vocab and draft_vocab < runner.head_rows else None
+        self.vocab = None
+        if self.draft_vocab:
+            self.vocab = DraftVocab(self.draft_vocab, runner.head_rows, always=stop_ids)
         self.last_steps = 0  # draft steps the last draft ran (a step below the threshold included)
+
+    def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
+        super().begin(prompt_ids, max_len, settings)
+        if self.vocab is not None:
+            self.vocab.reset()
 
     def describe(self) -> str:
         return f"layer-skip drafts every round, {self.plan.describe()}"
@@ -46,7 +57,7 @@ class SelfSkipDrafter(Drafter):
         }
 
     def _step(self, start: int):
-        head_rows = self.runner.head_rows
+        vocab = self.vocab
 
         def step(token: int, offset: int):
             logits, hidden = self.runner.forward(
@@ -55,19 +66,19 @@ class SelfSkipDrafter(Drafter):
                 self.skip_attention,
                 self.skip_mlp,
                 capture_at=self.resume_at,
-                vocab=self.draft_vocab,
+                vocab=vocab,
             )
             logits = logits[-1]
-            if self.draft_vocab:  # token ids past the draft head can never be drafted: q = 0 there
-                logits = torch.cat(
-                    [logits, logits.new_full((head_rows - self.draft_vocab,), float("-inf"))]
-                )
+            if vocab is not None:  # ids the draft head does not score are never drafted: q = 0
+                logits = vocab.spread(logits)
             return logits, hidden
 
         return step
 
     def draft(self, request: DraftRequest) -> Draft:
         start = len(request.committed) - 1  # position of the pending token
+        if self.vocab is not None:
+            self.vocab.follow(request.committed)
         tokens, probs, hiddens = draft_loop(
             self._step(start), request.committed[-1], request, self.threshold.value
         )

@@ -187,6 +187,32 @@ def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) 
     return torch.nn.functional.linear(x, linear.weight[:out_features], bias)
 
 
+def linear_outputs(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function of x giving ``linear``'s outputs ``ids`` only ([..., len(ids)]), reading only
+    their weights: for the kernel's modules, the panels holding them (copied once, padded to the
+    kernel's panel-count granularity), through the module's own arithmetic."""
+    if hasattr(linear, "_hf_hook"):  # placed by accelerate: its weights may load only on call
+        return lambda x: linear(x)[..., ids]
+    if not hasattr(linear, "run_panels"):
+        weight = linear.weight[ids]
+        bias = linear.bias[ids] if linear.bias is not None else None
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
+    panels = torch.unique(ids // PANEL)  # sorted
+    pad = -len(panels) % load_kernel().panels_per_group()
+    gathered = torch.cat([panels, panels[-1:].expand(pad)])
+    weight = linear.panel_weight.index_select(0, gathered)
+    bias = None
+    if linear.bias is not None:
+        bias = linear.bias.view(-1, PANEL).index_select(0, gathered).reshape(-1)
+    columns = torch.searchsorted(panels, ids // PANEL) * PANEL + ids % PANEL
+
+    def outputs(x: torch.Tensor) -> torch.Tensor:
+        out = linear.run_panels(x.reshape(-1, linear.in_features), weight, bias)
+        return out[:, columns].view(*x.shape[:-1], len(ids))
+
+    return outputs
+
+
 def _attention_by_rows(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
