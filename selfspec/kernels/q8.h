@@ -86,48 +86,54 @@ inline QuantizedRows quantize_rows(const torch::Tensor& x) {
   float* ds32 = out.ds32.data_ptr<float>();
   const int64_t blocks = K / kActBlock;
   const int64_t height = q8_tile_height(M);
-  at::parallel_for(0, M * blocks, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t m = b / blocks, i = b % blocks;
-      const TileMajor tm(M, height, m);
-      const float* xb = xp + b * kActBlock;
-      int8_t* qb = qp + b * kActBlock;
+  // Work comes as (tile, block) units, every row of the tile: the interleaved arrays interleave a
+  // tile's rows word by word, so threads that split a tile's rows would write the same cache lines.
+  const int64_t tiles = (M + height - 1) / height;
+  at::parallel_for(0, tiles * blocks, 8, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t m0 = u / blocks * height, i = u % blocks;
+      for (int64_t m = m0; m < std::min(M, m0 + height); ++m) {
+        const int64_t b = m * blocks + i;
+        const TileMajor tm(M, height, m);
+        const float* xb = xp + b * kActBlock;
+        int8_t* qb = qp + b * kActBlock;
 #if defined(__AVX512F__)
-      // the same arithmetic 16 lanes at a time: max is exact, the products round alike, and the
-      // conversion rounds to nearest even as nearbyint does in the default rounding mode
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
-      const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(a0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(a1));
-      const int32_t s0 = _mm512_reduce_add_epi32(a0), s1 = _mm512_reduce_add_epi32(a1);
+        // the same arithmetic 16 lanes at a time: max is exact, the products round alike, and the
+        // conversion rounds to nearest even as nearbyint does in the default rounding mode
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+        const __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(a0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(a1));
+        const int32_t s0 = _mm512_reduce_add_epi32(a0), s1 = _mm512_reduce_add_epi32(a1);
 #else
-      float amax = 0.0f;
-      for (int j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t s0 = 0, s1 = 0;
-      for (int j = 0; j < kActBlock; ++j) {
-        const int8_t a = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-        qb[j] = a;
-        (j < 16 ? s0 : s1) += a;
-      }
+        float amax = 0.0f;
+        for (int j = 0; j < kActBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s0 = 0, s1 = 0;
+        for (int j = 0; j < kActBlock; ++j) {
+          const int8_t a = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+          qb[j] = a;
+          (j < 16 ? s0 : s1) += a;
+        }
 #endif
-      const float d = amax / 127.0f;
-      dp[b] = d;
-      sp[2 * b] = s0;
-      sp[2 * b + 1] = s1;
-      for (int j = 0; j < kActBlock / 4; ++j) {
-        int32_t word;
-        std::memcpy(&word, qb + 4 * j, 4);
-        quads[tm.at(K / 4, i * (kActBlock / 4) + j)] = word;
+        const float d = amax / 127.0f;
+        dp[b] = d;
+        sp[2 * b] = s0;
+        sp[2 * b + 1] = s1;
+        for (int j = 0; j < kActBlock / 4; ++j) {
+          int32_t word;
+          std::memcpy(&word, qb + 4 * j, 4);
+          quads[tm.at(K / 4, i * (kActBlock / 4) + j)] = word;
+        }
+        d_t[tm.at(blocks, i)] = d;
+        s16[tm.at(K / 16, 2 * i)] = s0;
+        s16[tm.at(K / 16, 2 * i + 1)] = s1;
+        s32[tm.at(blocks, i)] = s0 + s1;
+        ds32[tm.at(blocks, i)] = d * static_cast<float>(s0 + s1);
       }
-      d_t[tm.at(blocks, i)] = d;
-      s16[tm.at(K / 16, 2 * i)] = s0;
-      s16[tm.at(K / 16, 2 * i + 1)] = s1;
-      s32[tm.at(blocks, i)] = s0 + s1;
-      ds32[tm.at(blocks, i)] = d * static_cast<float>(s0 + s1);
     }
   });
   return out;
