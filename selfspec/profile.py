@@ -30,7 +30,11 @@ def add_arguments(parser) -> None:
         "--prefix", type=int, default=200, help="cached prefix length (default 200)"
     )
     parser.add_argument(
-        "--repeats", type=int, default=5, help="repeats per measurement; the median is reported"
+        "--repeats",
+        type=int,
+        default=9,
+        help="rounds of measurements (each pass size and the draft step take turns in a round); "
+        "medians are reported",
     )
     parser.add_argument(
         "--acceptance",
@@ -44,24 +48,37 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _timed_ms(fn) -> float:
     import torch
 
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1000
+
+
+def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first calls allocate and pick kernels
-    times = []
+    return statistics.median(_timed_ms(fn) for _ in range(repeats))
+
+
+def _interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Each function timed ``repeats`` times, taking turns (one call of each per round), so that
+    a machine whose speed drifts from minute to minute slows them all alike."""
+    for fn in fns.values():
+        fn()  # warm-up: first calls allocate and pick kernels
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            times[name].append(_timed_ms(fn))
+    return times
 
 
 def profile_engine(
-    engine, plan=None, prefix: int = 200, repeats: int = 5, acceptance: float | None = None
+    engine, plan=None, prefix: int = 200, repeats: int = 9, acceptance: float | None = None
 ) -> dict:
     import torch
     from transformers import DynamicCache
@@ -77,9 +94,22 @@ def profile_engine(
     runner.reset(prefix + max(SIZES) + 1)
     runner.forward(prefix_ids, 0, last_logits_only=True)
 
-    forward_ms = {
-        str(n): _median_ms(lambda n=n: runner.forward(new_ids[:n], prefix), repeats) for n in SIZES
-    }
+    passes = {str(n): lambda n=n: runner.forward(new_ids[:n], prefix) for n in SIZES}
+    if plan is not None:
+        from selfspec.drafters import SelfSkipDrafter
+
+        # time the step as the drafter runs it: capture, draft head
+        drafter = SelfSkipDrafter(runner, plan)
+        passes["draft"] = lambda: runner.forward(
+            new_ids[:1],
+            prefix,
+            drafter.skip_attention,
+            drafter.skip_mlp,
+            capture_at=drafter.resume_at,
+            vocab=drafter.vocab,
+        )
+    times = _interleaved_ms(passes, repeats)
+    forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
 
     hf_cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -106,27 +136,15 @@ def profile_engine(
         "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
     }
     if plan is not None:
-        from selfspec.drafters import SelfSkipDrafter
-
-        # time the step as the drafter runs it: capture, draft head
-        drafter = SelfSkipDrafter(runner, plan)
-        draft_ms = _median_ms(
-            lambda: runner.forward(
-                new_ids[:1],
-                prefix,
-                drafter.skip_attention,
-                drafter.skip_mlp,
-                capture_at=drafter.resume_at,
-                vocab=drafter.draft_vocab,
-            ),
-            repeats,
-        )
+        draft_ms = statistics.median(times["draft"])
+        # each draft step over the one-token pass timed beside it: robust to drift between rounds
+        ratio = statistics.median(d / f for d, f in zip(times["draft"], times["1"]))
         alpha = (
             acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
         )
         result.update(
             draft_step_ms=draft_ms,
-            draft_cost_ratio=draft_ms / forward_ms["1"],
+            draft_cost_ratio=ratio,
             acceptance_assumed=alpha,
             **best_draft_length(alpha, draft_ms, forward_ms),
         )
@@ -173,7 +191,7 @@ def run(args) -> int:
         f"{result['model']} on {result['device']} ({result['dtype']}, speed mode "
         f"{result['speed_mode']}, "
         f"{result['threads']} threads), "
-        f"{result['prefix']}-token cached prefix, median of {args.repeats}"
+        f"{result['prefix']}-token cached prefix, medians of {args.repeats} rounds"
     )
     print(f"{'tokens':>6} {'selfspec ms':>12} {'transformers ms':>16} {'ratio to 1 token':>17}")
     for n in SIZES:

@@ -412,3 +412,17 @@ def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
     result["config"]["speed_mode"] = "gguf"
     md = bench.format_markdown(result)
     assert "**NO**" in md and "**autoregressive differs from hf_generate" in md
+
+
+def test_profile_times_every_pass_size_and_the_draft_step_in_turn(smollm2):
+    """`selfspec profile`: pass sizes and the draft step take turns within each round, so the
+    draft step's share of a step is a median of ratios timed side by side."""
+    from selfspec.profile import SIZES, profile_engine
+
+    n = smollm2.identity.num_layers
+    plan = smollm2.make_plan([n // 2], [n // 2 + 1])
+    result = profile_engine(smollm2, plan, prefix=16, repeats=3, acceptance=0.7)
+    assert list(result["forward_ms"]) == [str(s) for s in SIZES]
+    assert all(ms > 0 for ms in result["forward_ms"].values())
+    assert result["draft_step_ms"] > 0 and 0 < result["draft_cost_ratio"] < 5
+    assert result["acceptance_assumed"] == 0.7 and 0 <= result["best_draft_length"] < 16
