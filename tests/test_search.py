@@ -326,6 +326,9 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
     for policy in (
         DraftPolicy(4, 0.0, False),
         DraftPolicy(7, 0.0, False),
+        # a draft head over the first 64 ids, the stop tokens and the ids the context has used
+        # by each position: the replay scores the ids the drafter scores there
+        DraftPolicy(4, 0.0, False, draft_vocab=64),
         DraftPolicy(5, 0.6, True),
     ):
         plan = engine.make_plan([L - 1], [L - 1], policy)
@@ -335,6 +338,7 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
             policy.max_draft_tokens,
             policy.confidence_threshold,
             policy.adaptive_threshold,
+            draft_vocab=policy.draft_vocab or 0,
         )
         config = engine.decode_config(plan, max_new_tokens=tokens, fallback=False)
         real = engine.generate(ids, engine.layer_skip_drafter(plan), config=config)

@@ -19,6 +19,7 @@ from selfspec.search.costs import CostModel
 from selfspec.search.simulate import SimResult, simulate
 
 if TYPE_CHECKING:
+    from selfspec.drafthead import DraftVocab
     from selfspec.engine import Engine
 
 
@@ -75,16 +76,41 @@ class SpeedModel:
         keys, values = self.snapshots[index]
         self.runner.cache.keys[:, :, :, :P].copy_(keys)
         self.runner.cache.values[:, :, :, :P].copy_(values)
+        inputs = item.continuation[:-1]
+        vocab = self._draft_vocab(item, draft_vocab) if draft_vocab else None
         logits, _ = self.runner.forward(
-            torch.tensor(item.continuation[:-1]),
-            P,
-            frozenset(skip_attention),
-            frozenset(skip_mlp),
-            vocab=draft_vocab or None,
+            torch.tensor(inputs), P, frozenset(skip_attention), frozenset(skip_mlp), vocab=vocab
         )
+        if vocab is not None:
+            logits = self._per_position(vocab, logits, item)
         top, arg = torch.softmax(logits, dim=-1).max(dim=-1)
         agree = (arg == torch.tensor(item.continuation[1:])).tolist()
         return agree, top.tolist()
+
+    def _draft_vocab(self, item: CalibrationItem, prefix: int) -> DraftVocab:
+        """The ids the drafter's head scores somewhere along this continuation (as it runs:
+        the prefix, the stop tokens and the context's ids)."""
+        from selfspec.drafthead import DraftVocab
+
+        vocab = DraftVocab(prefix, self.runner.head_rows, always=self.engine.eos_ids())
+        vocab.follow(item.prompt_ids + item.continuation[:-1])
+        return vocab
+
+    @staticmethod
+    def _per_position(vocab: DraftVocab, logits, item: CalibrationItem):
+        """[n, prefix + E] -> [n, vocab size]: at each position only the ids the drafter would
+        score there (an id the continuation brings first is not scored before it appears)."""
+        import torch
+
+        rows = torch.stack([vocab.spread(row) for row in logits])
+        first = {}
+        for i, t in enumerate(item.continuation[:-1]):
+            first.setdefault(t, i)
+        context = set(item.prompt_ids) | set(vocab.always)
+        for t in vocab.extra:
+            if t not in context:
+                rows[: first[t], t] = float("-inf")  # row r's context ends with input r
+        return rows
 
     def evaluate(
         self,
