@@ -26,7 +26,8 @@ class DraftPolicy:
     # Nudge the threshold after each round towards a target acceptance (Draft & Verify's rule).
     adaptive_threshold: bool = True
     # Draft steps score only the first draft_vocab token ids (BPE vocabularies put frequent tokens
-    # first); the verify pass still scores all. None: the whole vocabulary.
+    # first), plus the stop tokens and the ids the context has used (selfspec.drafthead); the
+    # verify pass still scores all. None: the whole vocabulary.
     draft_vocab: int | None = None
 
 
@@ -69,7 +70,7 @@ class SkipPlan:
 
     def describe(self) -> str:
         vocab = self.policy.draft_vocab
-        head = f", draft head over the first {vocab} token ids" if vocab else ""
+        head = f", draft head over the first {vocab} token ids and the context's" if vocab else ""
         return (
             f"plan for {self.model.name}: skips {len(self.skip_attention)} attention and "
             f"{len(self.skip_mlp)} MLP sublayers of {self.model.num_layers} layers; "
