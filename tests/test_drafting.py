@@ -151,6 +151,27 @@ def test_drafts_only_when_the_measured_costs_say_it_pays():
     assert draft.tokens == []
 
 
+def test_context_drafts_of_a_new_text_stay_short_until_the_text_keeps_one():
+    """What earlier texts kept says little about a new one: its context drafts are one token long
+    until one is kept, then as long as the measured costs and acceptance say."""
+    drafter = AdaptiveDrafter(vocab=100)
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]  # "5 6 7" was followed by 8 9 10 11 12 5 6 7
+    for _text in range(2):
+        drafter.begin([1], 64, DraftSettings(fallback=False))
+        drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+        for _ in range(3):  # misses: still one token a round
+            draft = round_of(drafter, context)
+            assert draft.tokens == [8]
+            drafter.observe(RoundOutcome(1, 0, 0.0, 0.101, "ngram"))
+        draft = round_of(drafter, context)
+        drafter.observe(RoundOutcome(1, 1, 0.0, 0.101, "ngram"))  # the text repeats itself
+        for _ in range(20):  # cheap rows, drafts kept: they grow
+            draft = round_of(drafter, context)
+            drafter.observe(RoundOutcome(len(draft.tokens), len(draft.tokens), 0.0, 0.101, "ngram"))
+        assert len(draft.tokens) > 1
+    # the second text began short again, although the first had ended with long kept drafts
+
+
 class CountingSkipDrafter:
     """Stands in for a layer-skip drafter in planning tests: drafts token 1, counts its calls."""
 

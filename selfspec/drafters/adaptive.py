@@ -238,6 +238,10 @@ class AdaptiveDrafter(Drafter):
         self.probe_gap = _PROBE_EVERY
         self._steps = 0  # layer-skip draft steps of the current round
         self._ngram_n = 0
+        # Context drafts of a new text are one token long until the text keeps one: the acceptance
+        # carried over from other texts says little about this one, and a long draft of a text
+        # that does not repeat itself costs rows for nothing.
+        self.ngram_cap = 1
 
     def describe(self) -> str:
         if self.plan is None:
@@ -252,6 +256,7 @@ class AdaptiveDrafter(Drafter):
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
         self.index.reset()
+        self.ngram_cap = 1
         for acceptance in (self.skip, *self.ngram.values()):
             acceptance.carry_over()
         if self.layer_skip is not None:
@@ -286,7 +291,7 @@ class AdaptiveDrafter(Drafter):
         if match is not None:
             acceptance = self.ngram.setdefault(match.ngram, Acceptance(self.max_tokens))
             k = (
-                self._best_length(acceptance, len(match.tokens))
+                min(self._best_length(acceptance, len(match.tokens)), self.ngram_cap)
                 if self.planned
                 else len(match.tokens)
             )
@@ -338,6 +343,8 @@ class AdaptiveDrafter(Drafter):
         self.costs.record(outcome, self._steps)
         if outcome.source == "ngram":
             self.ngram[self._ngram_n].record(outcome.drafted, outcome.accepted)
+            if outcome.accepted:
+                self.ngram_cap = self.max_tokens  # the text repeats itself: as long as pays
         elif outcome.source == "layer_skip":
             self.skip.record(outcome.drafted, outcome.accepted)
             self.layer_skip.observe(outcome)
