@@ -30,6 +30,7 @@ class DraftVocab:
         """Forget the context (a new generation): only the prefix and ``always``."""
         self.extra: list[int] = []
         self._seen = 0  # tokens of the context already looked at
+        self._ids = None  # ``extra`` as a tensor, built when first needed
         self._outputs = None  # the head over ``extra``, built when first needed
         self.add(self.always)
 
@@ -38,7 +39,12 @@ class DraftVocab:
         new = [t for t in dict.fromkeys(ids) if self.prefix <= t < self.size and t not in known]
         if new:
             self.extra += new
-            self._outputs = None
+            self._ids = self._outputs = None
+
+    def _extra_ids(self) -> torch.Tensor:
+        if self._ids is None:
+            self._ids = torch.tensor(self.extra)
+        return self._ids
 
     def follow(self, context: list[int]) -> None:
         """Take in the tokens ``context`` (the whole text so far) gained since the last call."""
@@ -51,7 +57,7 @@ class DraftVocab:
         if not self.extra:
             return prefix
         if self._outputs is None:
-            self._outputs = linear_outputs(linear, torch.tensor(self.extra))
+            self._outputs = linear_outputs(linear, self._extra_ids())
         return torch.cat([prefix, self._outputs(x)], dim=-1)
 
     def spread(self, logits: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ class DraftVocab:
         out = logits.new_full((self.size,), float("-inf"))
         out[: self.prefix] = logits[: self.prefix]
         if self.extra:
-            out[torch.tensor(self.extra)] = logits[self.prefix :]
+            out[self._extra_ids()] = logits[self.prefix :]
         return out
 
 

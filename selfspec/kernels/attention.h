@@ -107,7 +107,8 @@ inline void weigh_values(const float* p, const float* v, int64_t v_stride, int64
 // skipped, not added as zeros, so a row's bits depend only on the keys it sees and their order: a
 // row of a verify pass (or of a token tree, whose rows see their ancestors only) equals a
 // one-token pass over the same keys. Every sum runs in one fixed order (dot_row's for the scores,
-// key order for the values), whatever the vector path. ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
+// key order for the values), whatever the vector path.
+// ``scores``: scratch of G * L floats; ``best``: scratch of G floats.
 template <typename Mask>
 inline void attend_group(const float* q, int64_t q_stride, int64_t G, const float* k, int64_t k_stride,
                          const float* v, int64_t v_stride, int64_t D, int64_t L, float scale, Mask mask,
