@@ -75,7 +75,15 @@ class DecoderAdapter:
     def logits(self, hidden, vocab: int | DraftVocab | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, over its first ``vocab`` token ids only, or over a
         draft's ``DraftVocab`` (its prefix, then its extra ids)."""
-        return head_logits(self.model.lm_head, self.decoder.norm(hidden), vocab)
+        return self.normed_logits(self.final_norm(hidden), vocab)
+
+    def final_norm(self, hidden) -> torch.Tensor:
+        """The last layer's output as the output head reads it."""
+        return self.decoder.norm(hidden)
+
+    def normed_logits(self, normed, vocab: int | DraftVocab | None = None) -> torch.Tensor:
+        """The output head over ``final_norm``'s output (or anything in its space: draft heads)."""
+        return head_logits(self.model.lm_head, normed, vocab)
 
     def gguf_row_order(self, gguf_name: str, rows: int):
         """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same
@@ -135,8 +143,8 @@ class Gemma3Adapter(DecoderAdapter):
         out = layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
         return hidden.to(out.device) + out
 
-    def logits(self, hidden, vocab=None):
-        logits = head_logits(self.model.lm_head, self.decoder.norm(hidden), vocab)
+    def normed_logits(self, normed, vocab=None):
+        logits = head_logits(self.model.lm_head, normed, vocab)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -1,7 +1,7 @@
 """The `selfspec` command: a thin layer over the Python API.
 
-Subcommands: models, generate, search, bench, profile, serve. Problems the user can fix are
-printed as one `error:` line (exit 2), never as a traceback.
+Subcommands: models, generate, search, bench, profile, serve, train-heads. Problems the user can
+fix are printed as one `error:` line (exit 2), never as a traceback.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ _SUBCOMMAND_MODULES = {
         "measure forward-pass costs over 1..16 tokens and a draft step",
     ),
     "serve": ("selfspec.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
+    "train-heads": (
+        "selfspec.headtrain",
+        "train draft heads for a model on its own answers (cheap drafts from the last pass)",
+    ),
 }
 
 
@@ -92,10 +96,16 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         choices=["auto", "ngram", "layer-skip"],
         default="auto",
         help=(
-            "auto (default): context n-gram drafts, and layer-skip drafts with the plan where "
-            "they pay, chosen each round from measured costs; ngram: context drafts only; "
-            "layer-skip: the plan's drafts every round"
+            "auto (default): context n-gram drafts, draft-head drafts and layer-skip drafts "
+            "with the plan where they pay, chosen each round from measured costs; ngram: context "
+            "drafts only; layer-skip: the plan's drafts every round"
         ),
+    )
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="draft heads file for --draft auto (default: the model's, from `selfspec "
+        "train-heads` or shipped; none: no head drafts)",
     )
     p.add_argument(
         "--draft-model",
@@ -154,7 +164,7 @@ def _drafter_and_plan(engine, args: argparse.Namespace):
     if args.baseline:
         return None, None
     if args.draft == "ngram":
-        return engine.self_drafter(layer_skip=False), None
+        return engine.self_drafter(layer_skip=False, heads=False), None
     plan = resolve_plan(engine, args)
     if plan is None and args.draft == "layer-skip":
         name = engine.loaded.name
@@ -164,7 +174,8 @@ def _drafter_and_plan(engine, args: argparse.Namespace):
         )
     if args.draft == "layer-skip":
         return engine.layer_skip_drafter(plan), plan
-    return engine.self_drafter(plan, layer_skip=plan is not None), plan
+    heads = {None: True, "none": False}.get(args.heads, args.heads)
+    return engine.self_drafter(plan, layer_skip=plan is not None, heads=heads), plan
 
 
 def _stats_line(method: str, result) -> str:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from selfspec.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
+from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
-from selfspec.paths import find_default_plan
+from selfspec.paths import find_default_plan, find_heads
 from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
 from selfspec.runner import ModelRunner
 from selfspec.sampling import Sampling
@@ -132,16 +133,29 @@ class Engine:
         return build_plan(self.identity, skip_attention, skip_mlp, policy, provenance)
 
     def self_drafter(
-        self, plan: SkipPlan | None = None, layer_skip: bool = True
+        self, plan: SkipPlan | None = None, layer_skip: bool = True, heads: bool | str = True
     ) -> AdaptiveDrafter:
-        """The default drafter: context n-gram drafts, and layer-skip drafts with ``plan`` (default:
-        the model's plan, if it has one) where they pay, chosen round by round from measured
-        costs. ``layer_skip=False``: context drafts only. Works without any plan."""
+        """The default drafter: context n-gram drafts, draft heads (``heads``: the model's own if
+        True, a file's, or none if False) and layer-skip drafts with ``plan`` (default: the model's
+        plan, if it has one) where they pay, chosen round by round from measured costs.
+        ``layer_skip=False``: no layer-skip drafts. Works without any plan or heads."""
         skipper = None
         if layer_skip:
             plan = plan or self.default_plan()
             skipper = self.layer_skip_drafter(plan) if plan is not None else None
-        return AdaptiveDrafter(self.runner.head_rows, skipper)
+        head_drafter = None
+        if heads:
+            found = self.default_heads() if heads is True else self.load_heads(heads)
+            head_drafter = HeadDrafter(self.runner, found, self.eos_ids()) if found else None
+        return AdaptiveDrafter(self.runner.head_rows, skipper, heads=head_drafter)
+
+    def default_heads(self) -> DraftHeads | None:
+        """The draft heads trained for this model (``selfspec train-heads``), if any."""
+        path = find_heads(self.loaded.name)
+        return self.load_heads(path) if path is not None else None
+
+    def load_heads(self, path) -> DraftHeads:
+        return DraftHeads.load(path, hidden_size=self.loaded.model.config.hidden_size)
 
     def layer_skip_drafter(self, plan: SkipPlan | None = None) -> SelfSkipDrafter:
         """The target drafting for itself with ``plan``'s sublayers skipped, every round."""

@@ -70,3 +70,14 @@ def default_plan_candidates(model_name: str, speed: str | None = None) -> list:
 def find_default_plan(model_name: str, speed: str | None = None):
     """The first existing default plan file for the model and mode, or None."""
     return next((p for p in default_plan_candidates(model_name, speed) if p.is_file()), None)
+
+
+def user_heads_path(model_name: str) -> Path:
+    """Where `selfspec train-heads` writes a model's draft heads unless told otherwise."""
+    return cache_dir() / "plans" / model_name / "heads.safetensors"
+
+
+def find_heads(model_name: str):
+    """The model's draft heads file, the user's trained ones before the shipped ones, or None."""
+    shipped = resources.files("selfspec") / "plans" / model_name / "heads.safetensors"
+    return next((p for p in (user_heads_path(model_name), shipped) if p.is_file()), None)

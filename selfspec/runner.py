@@ -84,6 +84,7 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.cache: KVCache | None = None
+        self.last_hidden: torch.Tensor | None = None  # [rows, hidden]: the last pass's final states
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
         self.head_rows = self.model.get_output_embeddings().out_features  # logits per token
         self.windows = {
@@ -132,6 +133,7 @@ class ModelRunner:
         rows if None). Every row gets the bits of its sequence's own one-token pass (rows never
         mix), so batching changes no token."""
         a, m = self.adapter, len(tokens)
+        self.last_hidden = None  # rows of several sequences: nothing a draft head may read
         hidden = a.embed(torch.tensor(tokens, device=self.device).view(1, m))
         cos, sin = a.position_embeddings(
             hidden, torch.tensor(positions, device=self.device).view(1, m)
@@ -209,6 +211,7 @@ class ModelRunner:
         )
         if last_logits_only:  # prefill: the head over every prompt token would be wasted work
             hidden = hidden[:, -1:]
+        self.last_hidden = hidden[0]  # what draft heads read (drafters.heads)
         return a.logits(hidden, vocab)[0].float(), captured
 
     def _run(self, ids, start, first, stop, skip_attention, skip_mlp, hidden, capture_at):

@@ -136,6 +136,18 @@ CLI_ROWS = [
     ("bench unknown method", ["bench", *M, "--methods", "warp_drive"], None, "warp_drive"),
     ("profile no repeats", ["profile", *M, "--repeats", "0"], None, "--repeats"),
     (
+        "train-heads no questions",
+        ["train-heads", *M, "--questions", "0"],
+        None,
+        "--questions must be at least 1",
+    ),
+    (
+        "missing heads file",
+        lambda t: ["generate", "hi", *M, "--heads", str(t / "absent.safetensors")],
+        None,
+        "does not exist",
+    ),
+    (
         "unknown option",
         ["generate", "hi", "--tokens", "5"],
         None,

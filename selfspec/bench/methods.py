@@ -168,14 +168,20 @@ def _drafter_run(name: str) -> Callable[[BenchContext, list[int]], MethodRun]:
 
 
 def _setup_self_speculative(ctx: BenchContext) -> None:
-    # selfspec's default drafter: context drafts, and the plan's layer-skip drafts where they pay
+    # selfspec's default drafter: context drafts, the model's draft heads and the plan's layer-skip
+    # drafts where they pay
     ctx.state["self_speculative"] = ctx.engine.self_drafter(
         ctx.plan, layer_skip=ctx.plan is not None
     )
 
 
 def _setup_ngram(ctx: BenchContext) -> None:
-    ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False)
+    ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False, heads=False)
+
+
+def _setup_heads(ctx: BenchContext) -> None:
+    # context drafts and the model's draft heads, no layer-skip drafts
+    ctx.state["heads"] = ctx.engine.self_drafter(layer_skip=False)
 
 
 def _setup_layer_skip(ctx: BenchContext) -> None:
@@ -238,6 +244,7 @@ METHODS: dict[str, Method] = {
         Method("autoregressive", _run_autoregressive),
         Method("self_speculative", _drafter_run("self_speculative"), setup=_setup_self_speculative),
         Method("ngram", _drafter_run("ngram"), setup=_setup_ngram),
+        Method("heads", _drafter_run("heads"), setup=_setup_heads),
         Method("layer_skip", _drafter_run("layer_skip"), needs="plan", setup=_setup_layer_skip),
         Method("dual_model", _drafter_run("dual_model"), needs="draft", setup=_setup_dual_model),
         Method("hf_assisted", _run_hf_assisted, needs="draft", transformers=True),

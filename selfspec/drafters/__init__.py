@@ -4,6 +4,7 @@
   repeats, layer-skip drafts with a plan where they pay, plain steps otherwise, round by round
   from measured costs.
 - ``SelfSkipDrafter`` (``layer_skip``): the target with a plan's sublayers skipped.
+- ``HeadDrafter`` (``heads``): small trained heads on the last verify pass's final hidden state.
 - ``ModelDrafter`` (``dual_model``): a separate, smaller model of the same family.
 
 A new drafter is a new class here, never a new loop.
@@ -11,6 +12,7 @@ A new drafter is a new class here, never a new loop.
 
 from selfspec.drafters.adaptive import AdaptiveDrafter
 from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.drafters.layerskip import SelfSkipDrafter
 from selfspec.drafters.model import ModelDrafter
 
@@ -19,7 +21,9 @@ __all__ = [
     "Draft",
     "DraftRequest",
     "DraftSettings",
+    "DraftHeads",
     "Drafter",
+    "HeadDrafter",
     "ModelDrafter",
     "RoundOutcome",
     "SelfSkipDrafter",

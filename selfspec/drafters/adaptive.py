@@ -27,6 +27,7 @@ from selfspec.drafters.base import (
 from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
 
 if TYPE_CHECKING:
+    from selfspec.drafters.heads import HeadDrafter
     from selfspec.drafters.layerskip import SelfSkipDrafter
 
 _PRIOR_ACCEPTANCE = 0.6  # what a kind of draft is assumed to achieve before it is measured
@@ -210,7 +211,8 @@ class Acceptance:
 
 
 class AdaptiveDrafter(Drafter):
-    """Context n-gram drafts, layer-skip drafts (with a plan) or none, chosen round by round."""
+    """Context n-gram drafts, draft-head drafts, layer-skip drafts (with a plan) or none, chosen
+    round by round."""
 
     name = "self_speculative"
 
@@ -221,10 +223,14 @@ class AdaptiveDrafter(Drafter):
         max_tokens: int = 16,
         min_ngram: int = MIN_NGRAM,
         planned: bool = True,
+        heads: HeadDrafter | None = None,
     ):
         """``planned=False``: draft every context match in full, without weighing costs (tests)."""
         super().__init__()
         self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
+        self.heads = heads
+        self.head_acceptance = Acceptance(len(heads.heads)) if heads is not None else None
+        self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.planned = planned
         self.plan = layer_skip.plan if layer_skip is not None else None
         self.index = ContextIndex(min_ngram=min_ngram)
@@ -244,23 +250,24 @@ class AdaptiveDrafter(Drafter):
         self.ngram_cap = 1
 
     def describe(self) -> str:
-        if self.plan is None:
-            return (
-                "drafts from the context (n-gram lookup) where it repeats itself, chosen each round"
-            )
-        return (
-            "drafts from the context where it repeats itself, else layer-skip drafts where they "
-            f"pay (chosen each round from measured costs); {self.plan.describe()}"
-        )
+        kinds = ["drafts from the context (n-gram lookup) where it repeats itself"]
+        if self.heads is not None:
+            kinds.append(f"draft heads where they pay ({self.heads.describe()})")
+        if self.plan is not None:
+            kinds.append(f"layer-skip drafts where they pay ({self.plan.describe()})")
+        return ", else ".join(kinds) + ", chosen each round from measured costs"
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
         self.index.reset()
         self.ngram_cap = 1
-        for acceptance in (self.skip, *self.ngram.values()):
-            acceptance.carry_over()
+        for acceptance in (self.skip, *self.ngram.values(), self.head_acceptance):
+            if acceptance is not None:
+                acceptance.carry_over()
         if self.layer_skip is not None:
             self.layer_skip.begin(prompt_ids, max_len, settings)
+        if self.heads is not None:
+            self.heads.begin(prompt_ids, max_len, settings)
 
     # -- planning ---------------------------------------------------------------------------------
     def _best_length(
@@ -300,7 +307,33 @@ class AdaptiveDrafter(Drafter):
                 tokens = match.tokens[:k]
                 probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
                 return Draft(tokens, probs, source="ngram")
-        return self._layer_skip_draft(request, limit)
+        probe_due = self.layer_skip is not None and self.rounds >= self.next_skip_probe
+        heads = Draft() if probe_due else self._head_draft(request, limit)
+        return heads if heads.tokens else self._layer_skip_draft(request, limit)
+
+    def _head_draft(self, request: DraftRequest, limit: int) -> Draft:
+        """Draft-head tokens when their expected tokens per second beat a plain step's and the
+        layer-skip drafts'."""
+        if self.heads is None or self.costs.plain is None:
+            return Draft()
+        step = (self.head_step.value or 0.0) * self.costs.plain
+        limit = min(limit, len(self.heads.heads))
+        k = self._best_length(self.head_acceptance, limit, step)
+        if not k or self._rate(self.head_acceptance, k, step) < self._skip_rate(limit):
+            return Draft()
+        sub = DraftRequest(request.committed, k, request.sampling, request.generator)
+        return self.heads.draft(sub)
+
+    def _rate(self, acceptance: Acceptance, k: int, step: float) -> float:
+        return acceptance.expected_tokens(k) / (self.costs.verify_cost(k + 1) + k * step)
+
+    def _skip_rate(self, limit: int) -> float:
+        """Expected tokens per second of the best layer-skip draft (0 while it is unmeasured)."""
+        step = self.costs.draft_step
+        if self.layer_skip is None or step is None:
+            return 0.0
+        k = self._best_length(self.skip, limit, step, _SKIP_MARGIN)
+        return self._rate(self.skip, k, step) / _SKIP_MARGIN if k else 0.0
 
     def _layer_skip_draft(self, request: DraftRequest, limit: int) -> Draft:
         if self.layer_skip is None:
@@ -341,10 +374,16 @@ class AdaptiveDrafter(Drafter):
 
     def learn(self, outcome: RoundOutcome) -> None:
         self.costs.record(outcome, self._steps)
+        if self.heads is not None:
+            self.heads.learn(outcome)  # which row of this pass the next head draft reads
         if outcome.source == "ngram":
             self.ngram[self._ngram_n].record(outcome.drafted, outcome.accepted)
             if outcome.accepted:
                 self.ngram_cap = self.max_tokens  # the text repeats itself: as long as pays
+        elif outcome.source == "heads":
+            self.head_acceptance.record(outcome.drafted, outcome.accepted)
+            if self.costs.plain:
+                self.head_step.add(outcome.draft_seconds / outcome.drafted / self.costs.plain)
         elif outcome.source == "layer_skip":
             self.skip.record(outcome.drafted, outcome.accepted)
             self.layer_skip.observe(outcome)

@@ -1,0 +1,156 @@
+"""Drafts read off the last verify pass: small heads on the target's final hidden state.
+
+The verify pass that produced the pending token x (from row i) leaves the full model's final hidden
+state h_i behind. Head j maps it to a guess of the token j + 1 places after x, through the model's
+own output head (as in Medusa), so a draft of k tokens costs k small matrix-vector products and k
+passes of the output head over the draft's ids: a few percent of a target step, where a layer-skip
+draft step costs most of one. The heads are the only weights here that the target lacks; they are
+trained on the target's own answers (``selfspec.headtrain``), never on the prompts bench measures.
+
+    n = final_norm(h_i);  z_j = n + silu(W_j n + b_j);  logits_j = output_head(z_j)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafthead import DraftVocab
+from selfspec.errors import SelfSpecError
+from selfspec.fileio import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from selfspec.runner import ModelRunner
+
+FORMAT = "selfspec-draft-heads/1"
+
+
+@dataclass
+class DraftHeads:
+    """Head j: weight [hidden, hidden] and bias [hidden], float32."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor]
+    info: dict  # model, vocab_prefix, training figures: what ``describe`` and the CLI report
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weights[0].shape[1]
+
+    @property
+    def vocab_prefix(self) -> int:
+        return int(self.info.get("vocab_prefix", 32768))
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def inputs(self, normed: torch.Tensor, j: int) -> torch.Tensor:
+        """What the output head reads for head j's guess: [..., hidden] -> [..., hidden]."""
+        return normed + F.silu(F.linear(normed, self.weights[j], self.biases[j]))
+
+    def to(self, device) -> DraftHeads:
+        move = [t.to(device) for t in self.weights + self.biases]
+        return DraftHeads(move[: len(self)], move[len(self) :], self.info)
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save
+
+        tensors = {}
+        for j, (w, b) in enumerate(zip(self.weights, self.biases)):
+            tensors[f"head.{j}.weight"] = w.to(torch.float16).contiguous()
+            tensors[f"head.{j}.bias"] = b.to(torch.float16).contiguous()
+        meta = {"format": FORMAT, "info": json.dumps(self.info, sort_keys=True)}
+        atomic_write_bytes(Path(path), save(tensors, metadata=meta))
+
+    @classmethod
+    def load(cls, path: str | Path, hidden_size: int | None = None) -> DraftHeads:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise SelfSpecError(f"draft heads file {path} does not exist")
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+        except Exception as e:
+            raise SelfSpecError(
+                f"cannot read draft heads {path} ({e}); train them again with selfspec train-heads"
+            ) from None
+        if meta.get("format") != FORMAT:
+            raise SelfSpecError(f"{path} is not a selfspec draft heads file ({FORMAT})")
+        count = len([k for k in tensors if k.endswith(".weight")])
+        heads = cls(
+            [tensors[f"head.{j}.weight"] for j in range(count)],
+            [tensors[f"head.{j}.bias"] for j in range(count)],
+            json.loads(meta.get("info", "{}")),
+        )
+        if hidden_size is not None and heads.hidden_size != hidden_size:
+            raise SelfSpecError(
+                f"draft heads {path} were trained for hidden size {heads.hidden_size}, this model "
+                f"has {hidden_size}: train heads for it with selfspec train-heads"
+            )
+        return heads
+
+    def describe(self) -> str:
+        top1 = self.info.get("heldout_top1")
+        kept = f", first guess right on {top1:.0%} of held-out answer tokens" if top1 else ""
+        return f"{len(self)} draft head(s) on the final hidden state{kept}"
+
+
+class HeadDrafter(Drafter):
+    """Drafts up to ``len(heads)`` tokens from the hidden state of the row that produced the
+    pending token (the runner keeps the last pass's final hidden states)."""
+
+    name = "heads"
+
+    def __init__(self, runner: ModelRunner, heads: DraftHeads, stop_ids: tuple[int, ...] = ()):
+        super().__init__()
+        self.runner, self.heads = runner, heads.to(runner.device)
+        prefix = min(heads.vocab_prefix, runner.head_rows)
+        self.vocab = DraftVocab(prefix, runner.head_rows, always=stop_ids)
+        self._hidden: torch.Tensor | None = None  # final hidden state of the pending token's row
+        self._after_prefill = True
+
+    def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
+        super().begin(prompt_ids, max_len, settings)
+        self.vocab.reset()
+        self._hidden, self._after_prefill = None, True
+
+    def describe(self) -> str:
+        return self.heads.describe()
+
+    def _pending_row(self) -> torch.Tensor | None:
+        if self._after_prefill:  # the prefill's last row made the first token
+            last = self.runner.last_hidden
+            return None if last is None else last[-1:]
+        return self._hidden
+
+    def draft(self, request: DraftRequest) -> Draft:
+        k = min(request.max_tokens, len(self.heads))
+        hidden = self._pending_row()
+        if k <= 0 or hidden is None:
+            return Draft()
+        self.vocab.follow(request.committed)
+        adapter = self.runner.adapter
+        normed = adapter.final_norm(hidden)
+        rows = torch.cat([self.heads.inputs(normed.float(), j) for j in range(k)])
+        logits = adapter.normed_logits(rows.to(normed.dtype)[None], self.vocab)[0].float()
+        full = torch.stack([self.vocab.spread(row) for row in logits])
+        if request.sampling.greedy:
+            return Draft(full.argmax(-1).tolist(), source=self.name)
+        probs = torch.stack([request.sampling.probs(row) for row in full])
+        tokens = [int(torch.multinomial(q, 1, generator=request.generator)) for q in probs]
+        return Draft(tokens, probs, source=self.name)
+
+    def learn(self, outcome: RoundOutcome) -> None:
+        """After a verify pass: its row ``accepted`` made the next pending token."""
+        last, m = self.runner.last_hidden, outcome.accepted
+        self._after_prefill = False
+        self._hidden = last[m : m + 1].clone() if last is not None and m < len(last) else None

@@ -1,0 +1,294 @@
+"""Training draft heads (``drafters.heads``) on the target's own answers.
+
+Self-distillation, with no data from outside the model: the model writes questions on a list of
+topics, answers them (greedy, in its speed mode), and each head learns, from the final hidden state
+at one answer token, the answer token 2, 3, ... places later. Spec-Bench's prompts are never used,
+so bench measures the heads on text they have not seen.
+
+    data  = answers_for(engine, work, questions, max_new)   # saved atomically: a rerun resumes
+    rows  = features(engine, data["prompts"], data["answers"], heads)
+    heads = fit(engine, rows, heads, epochs)   # held-out answers: heads.info["heldout_top1"]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from selfspec.drafters.heads import DraftHeads
+from selfspec.fetch import progress_bar
+from selfspec.fileio import atomic_write_text
+
+if TYPE_CHECKING:
+    from selfspec.engine import Engine
+
+TOPICS = (
+    "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry",
+    "programming in Python", "JavaScript and web development", "databases and SQL",
+    "machine learning", "mathematics homework", "logic puzzles", "writing stories",
+    "writing emails", "poetry", "music", "health and fitness", "psychology", "philosophy",
+    "economics", "law", "geography", "astronomy", "language learning and translation",
+    "job interviews", "startups", "movies and books", "data analysis", "the Linux command line",
+    "algorithms", "everyday advice", "sports", "art", "parenting", "climate", "electronics",
+    "statistics", "role-play as a character", "summarizing articles", "C and C++ programming",
+    "debugging code", "shell scripting", "unit testing", "writing documentation", "ethics",
+    "gardening", "cars",
+)  # fmt: skip
+QUESTION_PROMPT = (
+    "Write {n} different, specific questions or requests that people might send to an AI "
+    "assistant about {topic}. Vary their style and length. One per line, no numbering, "
+    "nothing else."
+)
+BATCH = 8  # sequences per pass while answering
+
+
+def generate_greedy(engine: Engine, prompts: list[list[int]], max_new: int, desc: str):
+    """Greedy answers, ``BATCH`` prompts per pass where the runner batches, else one by one."""
+    runner, eos = engine.runner, set(engine.eos_ids())
+    answers: list[list[int]] = []
+    bar = progress_bar(len(prompts), desc, unit="answer")
+    for first in range(0, len(prompts), BATCH if runner.can_batch else 1):
+        group = prompts[first : first + (BATCH if runner.can_batch else 1)]
+        if runner.can_batch:
+            answers += _answer_group(engine, group, max_new, eos)
+        else:
+            answers.append(engine.generate(group[0], None, max_new_tokens=max_new).token_ids)
+        bar.update(len(group))
+    bar.close()
+    return answers
+
+
+def _answer_group(engine: Engine, prompts: list[list[int]], max_new: int, eos: set[int]):
+    runner = engine.runner
+    caches, pending, answers = [], [], []
+    for prompt in prompts:
+        cache = runner.new_cache(len(prompt) + max_new + 1)
+        with runner.using(cache):
+            logits, _ = runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
+        caches.append(cache)
+        pending.append(int(logits[-1].argmax()))
+        answers.append([pending[-1]])
+    for _ in range(max_new - 1):
+        live = [i for i, a in enumerate(answers) if a[-1] not in eos]
+        if not live:
+            break
+        positions = [len(prompts[i]) + len(answers[i]) - 1 for i in live]
+        logits = runner.forward_many(
+            [caches[i] for i in live], [answers[i][-1] for i in live], positions
+        )
+        for row, i in enumerate(live):
+            answers[i].append(int(logits[row].argmax()))
+    return answers
+
+
+def write_questions(engine: Engine, per_topic: int, topics=TOPICS) -> list[str]:
+    prompts = [
+        engine.encode(QUESTION_PROMPT.format(n=per_topic, topic=t), chat=True) for t in topics
+    ]
+    questions = []
+    for answer in generate_greedy(engine, prompts, 24 * per_topic + 32, "questions"):
+        for line in engine.tokenizer.decode(answer, skip_special_tokens=True).splitlines():
+            line = line.strip().lstrip("-*0123456789.) ").strip()
+            if len(line) > 15 and line not in questions:
+                questions.append(line)
+    return questions
+
+
+def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dict:
+    """The questions and the model's answers, from ``work`` if an earlier run saved them."""
+    path = work / "answers.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("max_new") == max_new and len(data["answers"]) >= questions:
+            return data
+    per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
+    asked = write_questions(engine, per_topic, TOPICS[: -(-questions // per_topic) + 4])
+    random.Random(0).shuffle(asked)
+    asked = asked[:questions]
+    prompts = [engine.encode(q, chat=True) for q in asked]
+    data = {
+        "questions": asked,
+        "prompts": prompts,
+        "answers": generate_greedy(engine, prompts, max_new, "answers"),
+        "max_new": max_new,
+    }
+    atomic_write_text(path, json.dumps(data))
+    return data
+
+
+@torch.inference_mode()
+def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]], heads: int):
+    """Per answer: final hidden states (normed) of its rows [n, hidden] and the tokens each head
+    should guess from them [heads, n] (-1 past the answer's end)."""
+    runner = engine.runner
+    out = []
+    bar = progress_bar(len(prompts), "hidden states", unit="answer")
+    for prompt, answer in zip(prompts, answers):
+        ids = prompt + answer
+        runner.reset(len(ids) + 1)
+        _, hidden = runner.forward(
+            torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
+        )
+        # row i (prompt's last .. answer's) produced token i + 1; head j guesses token i + 2 + j
+        rows = torch.arange(len(prompt) - 1, len(ids) - 2)
+        normed = runner.adapter.final_norm(hidden[0, rows]).float()
+        tokens = torch.tensor(ids + [-1] * heads)
+        labels = torch.stack([tokens[rows + 2 + j] for j in range(heads)])
+        out.append((normed.half(), labels))
+        bar.update()
+    bar.close()
+    return out
+
+
+def output_rows(engine: Engine, count: int) -> torch.Tensor:
+    """The output head's first ``count`` rows as float32 [count, hidden] (the head over the unit
+    vectors, in the engine's own arithmetic)."""
+    head = engine.runner.model.get_output_embeddings()
+    from selfspec.kernels import linear_prefix
+
+    eye = torch.eye(head.in_features)
+    with torch.inference_mode():
+        rows = linear_prefix(head, eye, count).float().T
+    return rows.clone()  # outside inference mode: training saves it for the backward pass
+
+
+def fit(
+    engine: Engine,
+    answers: list[tuple[torch.Tensor, torch.Tensor]],
+    heads: int,
+    epochs: int = 3,
+    vocab_prefix: int = 32768,
+    heldout: float = 0.1,
+    seed: int = 0,
+) -> DraftHeads:
+    """Train ``heads`` heads (cross-entropy over the first ``vocab_prefix`` ids; guesses past them
+    are left out) on all but the last ``heldout`` share of answers, measured on those."""
+    torch.manual_seed(seed)
+    vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
+    out = output_rows(engine, vocab_prefix)
+    split = max(1, int(len(answers) * (1 - heldout)))
+    train, test = answers[:split], answers[split:] or answers[-1:]
+    hidden = torch.cat([h for h, _ in train]).float()
+    size = hidden.shape[1]
+    weights, biases, top1 = [], [], []
+    for j in range(heads):
+        labels = torch.cat([y[j] for _, y in train])
+        keep = (labels >= 0) & (labels < vocab_prefix)
+        w, b = _fit_one(hidden[keep], labels[keep], out, size, epochs, f"head {j + 1}")
+        weights.append(w)
+        biases.append(b)
+        top1.append(_top1(test, j, w, b, out))
+    info = {
+        "model": engine.loaded.name,
+        "speed": engine.loaded.speed,
+        "vocab_prefix": vocab_prefix,
+        "answers": len(answers),
+        "rows": int(hidden.shape[0]),
+        "epochs": epochs,
+        "heldout_top1_by_head": [round(t, 4) for t in top1],
+        "heldout_top1": round(top1[0], 4),
+    }
+    return DraftHeads(weights, biases, info)
+
+
+def _fit_one(hidden, labels, out, size, epochs, desc):
+    w = torch.zeros(size, size, requires_grad=True)
+    b = torch.zeros(size, requires_grad=True)
+    opt = torch.optim.AdamW([w, b], lr=1e-3, weight_decay=0.0)
+    batch = 256
+    bar = progress_bar(epochs * -(-len(labels) // batch), desc, unit="batch")
+    for _ in range(epochs):
+        order = torch.randperm(len(labels))
+        for first in range(0, len(order), batch):
+            i = order[first : first + batch]
+            z = hidden[i] + F.silu(F.linear(hidden[i], w, b))
+            loss = F.cross_entropy(z @ out.T, labels[i])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            bar.update()
+    bar.close()
+    return w.detach(), b.detach()
+
+
+def _top1(test, j, w, b, out) -> float:
+    hits = total = 0
+    with torch.no_grad():
+        for h, y in test:
+            keep = y[j] >= 0
+            z = h.float()[keep]
+            guess = ((z + F.silu(F.linear(z, w, b))) @ out.T).argmax(-1)
+            hits += int((guess == y[j][keep]).sum())
+            total += int(keep.sum())
+    return hits / total if total else 0.0
+
+
+def train_heads(
+    engine: Engine,
+    out: Path,
+    work: Path,
+    questions: int = 400,
+    max_new: int = 192,
+    heads: int = 2,
+    epochs: int = 3,
+) -> DraftHeads:
+    started = time.time()
+    data = answers_for(engine, work, questions, max_new)
+    rows = features(engine, data["prompts"], data["answers"], heads)
+    trained = fit(engine, rows, heads, epochs)
+    trained.info["seconds"] = round(time.time() - started)
+    trained.save(out)
+    return trained
+
+
+# -- `selfspec train-heads` -----------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    from selfspec.cliargs import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--questions", type=int, default=400, help="questions the model writes and answers (400)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=192, help="tokens per answer at most (192)"
+    )
+    parser.add_argument("--heads", type=int, default=2, help="heads to train, token 2, 3, ... (2)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the answers (3)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="heads file to write (default: the user's heads for the model, which "
+        "`selfspec generate`, `bench` and `serve` then use)",
+    )
+
+
+def run(args) -> int:
+    from selfspec.cliargs import check_at_least, load_engine
+    from selfspec.paths import user_heads_path
+
+    for flag, value in (
+        ("--questions", args.questions),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--heads", args.heads),
+        ("--epochs", args.epochs),
+    ):
+        check_at_least(flag, value, 1)
+    engine = load_engine(args)
+    out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
+    work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
+    heads = train_heads(
+        engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs
+    )
+    info = heads.info
+    print(
+        f"wrote {out}: {len(heads)} head(s) trained on {info['rows']} answer tokens of "
+        f"{info['answers']} answers in {info['seconds']} s; held-out first guesses right: "
+        + ", ".join(f"{t:.1%}" for t in info["heldout_top1_by_head"])
+    )
+    return 0

@@ -1,0 +1,115 @@
+"""Draft heads (selfspec.drafters.heads) and their training (selfspec.headtrain): the drafts stay
+lossless, the heads learn something real, files fail clearly, and training resumes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampling import (
+    SIGNIFICANCE,
+    broken_accept,
+    chi_square_p_value,
+    exact_second_token_marginal,
+)
+
+from selfspec import decode
+from selfspec.drafters.heads import DraftHeads, HeadDrafter
+from selfspec.errors import SelfSpecError
+from selfspec.headtrain import train_heads
+from selfspec.sampling import Sampling
+
+
+def random_heads(size: int, count: int, vocab_prefix: int, scale: float = 0.5) -> DraftHeads:
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(size, size, generator=g) * scale / size**0.5 for _ in range(count)]
+    biases = [torch.randn(size, generator=g) * scale for _ in range(count)]
+    return DraftHeads(weights, biases, {"vocab_prefix": vocab_prefix})
+
+
+def test_heads_file_round_trip_and_clear_errors(tmp_path):
+    heads = random_heads(16, 2, 32)
+    path = tmp_path / "heads.safetensors"
+    heads.save(path)
+    back = DraftHeads.load(path, hidden_size=16)
+    assert len(back) == 2 and back.vocab_prefix == 32
+    for a, b in zip(heads.weights + heads.biases, back.weights + back.biases):
+        assert torch.allclose(a, b, atol=1e-2)  # stored as float16
+    with pytest.raises(SelfSpecError, match="hidden size 16, this model has 64"):
+        DraftHeads.load(path, hidden_size=64)
+    with pytest.raises(SelfSpecError, match="does not exist"):
+        DraftHeads.load(tmp_path / "missing.safetensors")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(SelfSpecError, match="train them again"):
+        DraftHeads.load(broken)
+
+
+@pytest.fixture(scope="module")
+def peaked_tiny(tiny_llama, sharpened_head):
+    with sharpened_head(tiny_llama, 60.0):
+        yield tiny_llama
+
+
+def second_token_counts(engine, prompt, sampling, drafter, n):
+    config = engine.decode_config(
+        drafter, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=2
+    )
+    config.eos_token_ids = ()
+    counts = torch.zeros(64)
+    for seed in range(n):
+        config.seed = seed
+        counts[engine.generate(prompt, drafter, config=config).token_ids[1]] += 1
+    return counts
+
+
+def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
+    """Head drafts (here random heads over part of the vocabulary, so q differs from p) leave the
+    target's distribution; a broken acceptance rule is caught by the same test."""
+    engine = peaked_tiny
+    prompt = [5, 17, 33, 2]
+    sampling = Sampling(temperature=4.0)
+    drafter = HeadDrafter(engine.runner, random_heads(64, 2, 40))
+    exact = exact_second_token_marginal(engine, prompt, sampling)
+    counts = second_token_counts(engine, prompt, sampling, drafter, 1500)
+    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
+    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
+    broken = second_token_counts(engine, prompt, sampling, drafter, 1500)
+    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
+
+
+@pytest.fixture(scope="module")
+def trained(smollm2, tmp_path_factory):
+    """Heads trained on the small model's answers to its own questions, and the files."""
+    folder = tmp_path_factory.mktemp("heads")
+    out, work = folder / "heads.safetensors", folder / "work"
+    heads = train_heads(smollm2, out, work, questions=24, max_new=48, heads=2, epochs=4)
+    return heads, out, work
+
+
+def test_trained_heads_guess_better_than_chance_and_training_resumes(smollm2, trained):
+    heads, out, work = trained
+    loaded = DraftHeads.load(out, hidden_size=smollm2.loaded.model.config.hidden_size)
+    assert len(loaded) == 2 and 12 <= loaded.info["answers"] <= 24
+    # the model's own next-next token out of 32768 candidates: chance is ~0
+    assert loaded.info["heldout_top1"] > 0.05
+    answers = work / "answers.json"
+    stamp = answers.stat().st_mtime_ns
+    again = train_heads(smollm2, out, work, questions=24, max_new=48, heads=1, epochs=1)
+    assert answers.stat().st_mtime_ns == stamp  # the saved answers were reused, not regenerated
+    assert len(again) == 1
+
+
+def test_greedy_with_head_drafts_is_identical_to_plain_decoding(smollm2, trained):
+    _, out, _ = trained
+    prompts = ["def quicksort(items):", "The three primary colors are", "Dear team,\n\nI"]
+    drafted = kept = 0
+    for prompt in prompts:
+        plain = smollm2.generate(prompt, None, max_new_tokens=40)
+        for drafter in (HeadDrafter(smollm2.runner, smollm2.load_heads(out)),
+                        smollm2.self_drafter(heads=str(out))):  # fmt: skip
+            config = smollm2.decode_config(drafter, max_new_tokens=40, fallback=False)
+            result = smollm2.generate(prompt, drafter, config=config)
+            assert result.token_ids == plain.token_ids, (prompt, drafter.name)
+            rounds, d, k = result.stats.sources.get("heads", (0, 0, 0))
+            drafted, kept = drafted + d, kept + k
+    assert drafted > 0 and kept > 0
