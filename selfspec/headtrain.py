@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.drafters.heads import DraftHeads
+from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
 
@@ -140,7 +141,7 @@ def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]],
         normed = runner.adapter.final_norm(hidden[0, rows]).float()
         tokens = torch.tensor(ids + [-1] * heads)
         labels = torch.stack([tokens[rows + 2 + j] for j in range(heads)])
-        out.append((normed.half(), labels))
+        out.append((normed.half().cpu(), labels))
         bar.update()
     bar.close()
     return out
@@ -149,12 +150,13 @@ def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]],
 def output_rows(engine: Engine, count: int) -> torch.Tensor:
     """The output head's first ``count`` rows as float32 [count, hidden] (the head over the unit
     vectors, in the engine's own arithmetic)."""
-    head = engine.runner.model.get_output_embeddings()
+    runner = engine.runner
+    head = runner.model.get_output_embeddings()
     from selfspec.kernels import linear_prefix
 
-    eye = torch.eye(head.in_features)
+    eye = torch.eye(head.in_features, device=runner.device, dtype=runner.dtype)
     with torch.inference_mode():
-        rows = linear_prefix(head, eye, count).float().T
+        rows = linear_prefix(head, eye, count).float().T.cpu()
     return rows.clone()  # outside inference mode: training saves it for the backward pass
 
 
@@ -169,6 +171,11 @@ def fit(
 ) -> DraftHeads:
     """Train ``heads`` heads (cross-entropy over the first ``vocab_prefix`` ids; guesses past them
     are left out) on all but the last ``heldout`` share of answers, measured on those."""
+    if len(answers) < 2:
+        raise SelfSpecError(
+            f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
+            "(the model wrote too few usable questions)"
+        )
     torch.manual_seed(seed)
     vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
     out = output_rows(engine, vocab_prefix)
