@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from selfspec.drafters.heads import DraftHeads
+from selfspec.drafters.heads import DraftHeads, head_input
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
@@ -214,8 +214,7 @@ def _fit_one(hidden, labels, out, size, epochs, desc):
         order = torch.randperm(len(labels))
         for first in range(0, len(order), batch):
             i = order[first : first + batch]
-            z = hidden[i] + F.silu(F.linear(hidden[i], w, b))
-            loss = F.cross_entropy(z @ out.T, labels[i])
+            loss = F.cross_entropy(head_input(hidden[i], w, b) @ out.T, labels[i])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -229,8 +228,7 @@ def _top1(test, j, w, b, out) -> float:
     with torch.no_grad():
         for h, y in test:
             keep = y[j] >= 0
-            z = h.float()[keep]
-            guess = ((z + F.silu(F.linear(z, w, b))) @ out.T).argmax(-1)
+            guess = (head_input(h.float()[keep], w, b) @ out.T).argmax(-1)
             hits += int((guess == y[j][keep]).sum())
             total += int(keep.sum())
     return hits / total if total else 0.0

@@ -9,6 +9,7 @@ from test_sampling import (
     SIGNIFICANCE,
     broken_accept,
     chi_square_p_value,
+    drafted_second_token_counts,
     exact_second_token_marginal,
 )
 
@@ -50,18 +51,6 @@ def peaked_tiny(tiny_llama, sharpened_head):
         yield tiny_llama
 
 
-def second_token_counts(engine, prompt, sampling, drafter, n):
-    config = engine.decode_config(
-        drafter, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=2
-    )
-    config.eos_token_ids = ()
-    counts = torch.zeros(64)
-    for seed in range(n):
-        config.seed = seed
-        counts[engine.generate(prompt, drafter, config=config).token_ids[1]] += 1
-    return counts
-
-
 def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
     """Head drafts (here random heads over part of the vocabulary, so q differs from p) leave the
     target's distribution; a broken acceptance rule is caught by the same test."""
@@ -70,10 +59,10 @@ def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
     sampling = Sampling(temperature=4.0)
     drafter = HeadDrafter(engine.runner, random_heads(64, 2, 40))
     exact = exact_second_token_marginal(engine, prompt, sampling)
-    counts = second_token_counts(engine, prompt, sampling, drafter, 1500)
+    counts = drafted_second_token_counts(engine, prompt, sampling, drafter, 1500)
     assert chi_square_p_value(counts, exact) > SIGNIFICANCE
     monkeypatch.setattr(decode, "accept_sampled", broken_accept)
-    broken = second_token_counts(engine, prompt, sampling, drafter, 1500)
+    broken = drafted_second_token_counts(engine, prompt, sampling, drafter, 1500)
     assert chi_square_p_value(broken, exact) < SIGNIFICANCE
 
 

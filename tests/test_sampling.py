@@ -85,8 +85,17 @@ def exact_second_token_marginal(engine, prompt, sampling):
 
 
 def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):
+    drafter = engine.layer_skip_drafter(plan)
+    if draft_vocab:  # plans ask for multiples of 64; this model has only 64 tokens
+        drafter.vocab = DraftVocab(draft_vocab, 64)
+    return drafted_second_token_counts(engine, prompt, sampling, drafter, n)
+
+
+def drafted_second_token_counts(engine, prompt, sampling, drafter, n):
+    """How often each token came second in ``n`` seeded generations of 3 tokens with ``drafter``
+    (drafts of up to 2 tokens, no confidence cut, no fallback)."""
     config = engine.decode_config(
-        plan,
+        drafter,
         max_new_tokens=3,
         sampling=sampling,
         confidence_threshold=0.0,
@@ -95,9 +104,6 @@ def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):
         max_draft_tokens=2,
     )
     config.eos_token_ids = ()
-    drafter = engine.layer_skip_drafter(plan)
-    if draft_vocab:  # plans ask for multiples of 64; this model has only 64 tokens
-        drafter.vocab = DraftVocab(draft_vocab, 64)
     counts = torch.zeros(64)
     for seed in range(n):
         config.seed = seed

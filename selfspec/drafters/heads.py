@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 FORMAT = "selfspec-draft-heads/1"
 
 
+def head_input(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What the output head reads for one head's guess: n + silu(W n + b), [..., hidden]. Training
+    (``selfspec.headtrain``) and drafting both go through here."""
+    return normed + F.silu(F.linear(normed, weight, bias))
+
+
 @dataclass
 class DraftHeads:
     """Head j: weight [hidden, hidden] and bias [hidden], float32."""
@@ -52,11 +58,12 @@ class DraftHeads:
 
     def inputs(self, normed: torch.Tensor, j: int) -> torch.Tensor:
         """What the output head reads for head j's guess: [..., hidden] -> [..., hidden]."""
-        return normed + F.silu(F.linear(normed, self.weights[j], self.biases[j]))
+        return head_input(normed, self.weights[j], self.biases[j])
 
     def to(self, device) -> DraftHeads:
-        move = [t.to(device) for t in self.weights + self.biases]
-        return DraftHeads(move[: len(self)], move[len(self) :], self.info)
+        return DraftHeads(
+            [w.to(device) for w in self.weights], [b.to(device) for b in self.biases], self.info
+        )
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save
