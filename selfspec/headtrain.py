@@ -39,7 +39,10 @@ TOPICS = (
     "algorithms", "everyday advice", "sports", "art", "parenting", "climate", "electronics",
     "statistics", "role-play as a character", "summarizing articles", "C and C++ programming",
     "debugging code", "shell scripting", "unit testing", "writing documentation", "ethics",
-    "gardening", "cars",
+    "gardening", "cars", "trivia and general knowledge", "explaining science to a child",
+    "world religions and mythology", "architecture", "nutrition", "pets", "video games",
+    "project management", "marketing", "public speaking", "spreadsheets", "networking and the "
+    "internet", "cybersecurity", "chess and board games", "fashion", "home repair",
 )  # fmt: skip
 QUESTION_PROMPT = (
     "Write {n} different, specific questions or requests that people might send to an AI "
@@ -92,13 +95,18 @@ def write_questions(engine: Engine, per_topic: int, topics=TOPICS) -> list[str]:
     prompts = [
         engine.encode(QUESTION_PROMPT.format(n=per_topic, topic=t), chat=True) for t in topics
     ]
-    questions = []
+    questions: list[str] = []
     for answer in generate_greedy(engine, prompts, 24 * per_topic + 32, "questions"):
-        for line in engine.tokenizer.decode(answer, skip_special_tokens=True).splitlines():
-            line = line.strip().lstrip("-*0123456789.) ").strip()
-            if len(line) > 15 and line not in questions:
-                questions.append(line)
+        add_questions(questions, engine.tokenizer.decode(answer, skip_special_tokens=True))
     return questions
+
+
+def add_questions(questions: list[str], text: str) -> None:
+    """Adds the questions of a model-written list (one per line) not yet in ``questions``."""
+    for line in text.splitlines():
+        line = line.strip().lstrip("-*0123456789.) ").strip()
+        if len(line) > 15 and line not in questions:
+            questions.append(line)
 
 
 def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dict:
@@ -178,60 +186,76 @@ def fit(
         )
     torch.manual_seed(seed)
     vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
-    out = output_rows(engine, vocab_prefix)
     split = max(1, int(len(answers) * (1 - heldout)))
     train, test = answers[:split], answers[split:] or answers[-1:]
-    hidden = torch.cat([h for h, _ in train]).float()
-    size = hidden.shape[1]
+    trained = fit_rows(
+        torch.cat([h for h, _ in train]),
+        torch.cat([y for _, y in train], dim=1)[:heads],
+        torch.cat([h for h, _ in test]),
+        torch.cat([y for _, y in test], dim=1)[:heads],
+        output_rows(engine, vocab_prefix),
+        epochs,
+    )
+    trained.info.update(
+        model=engine.loaded.name, speed=engine.loaded.speed, answers=len(answers), epochs=epochs
+    )
+    return trained
+
+
+def fit_rows(hidden, labels, test_hidden, test_labels, out, epochs, batch=256, lr=1e-3):
+    """Heads from normed final hidden states [n, hidden] and the tokens each head should guess
+    [heads, n] (-1: none), on the device ``out`` (the output head's rows [vocab, hidden]) is on;
+    the held-out rows give ``info["heldout_top1_by_head"]``."""
     weights, biases, top1 = [], [], []
-    for j in range(heads):
-        labels = torch.cat([y[j] for _, y in train])
-        keep = (labels >= 0) & (labels < vocab_prefix)
-        w, b = _fit_one(hidden[keep], labels[keep], out, size, epochs, f"head {j + 1}")
-        weights.append(w)
-        biases.append(b)
-        top1.append(_top1(test, j, w, b, out))
+    for j, head_labels in enumerate(labels):
+        rows = ((head_labels >= 0) & (head_labels < len(out))).nonzero()[:, 0]
+        w, b = _fit_one(hidden, head_labels, rows, out, epochs, batch, lr, f"head {j + 1}")
+        weights.append(w.cpu())
+        biases.append(b.cpu())
+        top1.append(_top1(test_hidden, test_labels[j], w, b, out))
     info = {
-        "model": engine.loaded.name,
-        "speed": engine.loaded.speed,
-        "vocab_prefix": vocab_prefix,
-        "answers": len(answers),
-        "rows": int(hidden.shape[0]),
-        "epochs": epochs,
+        "vocab_prefix": len(out),
+        "rows": int((labels[0] >= 0).sum()),
         "heldout_top1_by_head": [round(t, 4) for t in top1],
         "heldout_top1": round(top1[0], 4),
     }
     return DraftHeads(weights, biases, info)
 
 
-def _fit_one(hidden, labels, out, size, epochs, desc):
-    w = torch.zeros(size, size, requires_grad=True)
-    b = torch.zeros(size, requires_grad=True)
-    opt = torch.optim.AdamW([w, b], lr=1e-3, weight_decay=0.0)
-    batch = 256
-    bar = progress_bar(epochs * -(-len(labels) // batch), desc, unit="batch")
+def _fit_one(hidden, labels, rows, out, epochs, batch, lr, desc):
+    """AdamW, learning rate decaying linearly to a tenth; ``rows`` index the usable rows."""
+    size, device = hidden.shape[1], out.device
+    w = torch.zeros(size, size, device=device, requires_grad=True)
+    b = torch.zeros(size, device=device, requires_grad=True)
+    opt = torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0)
+    steps = epochs * -(-len(rows) // batch)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
+    bar = progress_bar(steps, desc, unit="batch")
     for _ in range(epochs):
-        order = torch.randperm(len(labels))
+        order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
             i = order[first : first + batch]
-            loss = F.cross_entropy(head_input(hidden[i], w, b) @ out.T, labels[i])
+            x = hidden[i].to(device, torch.float32)
+            loss = F.cross_entropy(head_input(x, w, b) @ out.T, labels[i].to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
+            decay.step()
             bar.update()
     bar.close()
     return w.detach(), b.detach()
 
 
-def _top1(test, j, w, b, out) -> float:
-    hits = total = 0
+def _top1(hidden, labels, w, b, out, batch=4096) -> float:
+    rows = (labels >= 0).nonzero()[:, 0]
+    hits = 0
     with torch.no_grad():
-        for h, y in test:
-            keep = y[j] >= 0
-            guess = (head_input(h.float()[keep], w, b) @ out.T).argmax(-1)
-            hits += int((guess == y[j][keep]).sum())
-            total += int(keep.sum())
-    return hits / total if total else 0.0
+        for first in range(0, len(rows), batch):
+            i = rows[first : first + batch]
+            x = hidden[i].to(out.device, torch.float32)
+            guess = (head_input(x, w, b) @ out.T).argmax(-1)
+            hits += int((guess == labels[i].to(out.device)).sum())
+    return hits / len(rows) if len(rows) else 0.0
 
 
 def train_heads(

@@ -12,7 +12,7 @@ from selfspec.drafters import (
     DraftSettings,
     RoundOutcome,
 )
-from selfspec.drafters.adaptive import Acceptance, PassCosts
+from selfspec.drafters.adaptive import Acceptance, PassCosts, _head_prior
 from selfspec.drafters.ngram import ContextIndex
 from selfspec.sampling import Sampling
 
@@ -217,6 +217,18 @@ def test_layer_skip_is_not_probed_where_it_cannot_pay():
     # Cheap steps: after the first tries (the prior still hopes) probes recur, spaced out more each
     # time they disappoint (gaps 48, 96, ... 768).
     assert 5 <= probes(0.010) <= 12
+
+
+def test_head_drafts_start_from_the_held_out_figures_of_their_training():
+    # head j alone right on 50%, 30%, 15% of held-out positions: kept given the ones before it
+    prior = _head_prior({"heldout_top1_by_head": [0.5, 0.3, 0.15]})
+    assert prior == pytest.approx([0.5, 0.6, 0.5])
+    acceptance = Acceptance(3, prior)
+    assert acceptance.rate(1) == pytest.approx(0.6)  # before any round
+    for _ in range(20):
+        acceptance.record(drafted=3, accepted=0)
+    assert acceptance.rate(0) < 0.1  # what the stream shows soon outweighs it
+    assert _head_prior({}) is None and _head_prior({"heldout_top1_by_head": [0.4, 0.0]}) is None
 
 
 def test_the_guard_pauses_slow_drafting_and_tries_again():

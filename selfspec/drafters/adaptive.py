@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from selfspec.adaptation import SpeedGuard
 from selfspec.drafters.base import (
     Draft,
     Drafter,
@@ -46,6 +47,10 @@ _DECAY = 0.97  # per round, the weight of what was measured before
 _CARRY_WEIGHT = 4.0
 _COST_WINDOW = 9  # timed passes a cost estimate is the median of
 _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts this many
+# Rounds the speed guard judges at once. This drafter weighs costs itself every round, so the guard
+# is only a backstop against a wrong cost model; over the base guard's 8 rounds, cheap drafts kept
+# 40% of the time look slower than plain steps by chance alone, and each pause costs 16+ rounds.
+_GUARD_WINDOW = 24
 
 
 class RecentMedian:
@@ -176,13 +181,14 @@ class Acceptance:
     """P(the i-th drafted token is kept | the ones before it were), per kind of draft; older rounds
     count less and less, so the estimate follows the stream."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, prior: list[float] | None = None) -> None:
         self.tried = [0.0] * width
         self.kept = [0.0] * width
+        self.prior = prior or [_PRIOR_ACCEPTANCE] * width  # before a position is measured
 
     def rate(self, i: int) -> float:
         i = min(i, len(self.tried) - 1)
-        return (self.kept[i] + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self.tried[i] + _PRIOR_WEIGHT)
+        return (self.kept[i] + self.prior[i] * _PRIOR_WEIGHT) / (self.tried[i] + _PRIOR_WEIGHT)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.tried = [t * _DECAY for t in self.tried]
@@ -229,7 +235,9 @@ class AdaptiveDrafter(Drafter):
         super().__init__()
         self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
         self.heads = heads
-        self.head_acceptance = Acceptance(len(heads.heads)) if heads is not None else None
+        self.head_acceptance = None
+        if heads is not None:
+            self.head_acceptance = Acceptance(len(heads.heads), _head_prior(heads.heads.info))
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.planned = planned
         self.plan = layer_skip.plan if layer_skip is not None else None
@@ -259,6 +267,7 @@ class AdaptiveDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
+        self.guard = SpeedGuard(enabled=settings.fallback, window=_GUARD_WINDOW)
         self.index.reset()
         self.ngram_cap = 1
         for acceptance in (self.skip, *self.ngram.values(), self.head_acceptance):
@@ -391,3 +400,12 @@ class AdaptiveDrafter(Drafter):
     def policy_defaults(self) -> dict:
         defaults = self.layer_skip.policy_defaults() if self.layer_skip is not None else {}
         return {**defaults, "max_draft_tokens": self.max_tokens}
+
+
+def _head_prior(info: dict) -> list[float] | None:
+    """P(head j's guess kept | the ones before it were), from the held-out figures the heads were
+    trained with (the share of positions where head j alone guesses right), or None."""
+    top1 = info.get("heldout_top1_by_head")
+    if not top1 or min(top1) <= 0:
+        return None
+    return [min(0.95, t / before) for before, t in zip([1.0, *top1], top1)]

@@ -1,0 +1,214 @@
+"""Draft heads for a bundled model, trained on a lent GPU: the self-distillation of
+`selfspec train-heads` (selfspec/headtrain.py: the model writes questions on its topics, answers
+them greedily, each head learns the answer token j + 2 places after a row from that row's final
+hidden state), at a scale the 2-core CPU does not reach in a session. Spec-Bench is never read.
+
+transformers' own model runs here (bfloat16, batched `generate`), so the answers and hidden
+states are the float model's, not a CPU speed mode's; the heads are measured on the CPU afterwards
+by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue raw text (an
+answer cut short, no chat template), as prompts do that continue code.
+
+    python3 tests/gpu/train_heads.py MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
+
+Writes OUT_DIR/heads.safetensors, OUT_DIR/answers.safetensors (every prompt and answer as token
+ids) and OUT_DIR/questions.json, each as soon as it is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from selfspec.headtrain import QUESTION_PROMPT, TOPICS, add_questions, fit_rows  # noqa: E402
+
+STARTED = time.time()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only to try the script
+
+
+def log(message: str) -> None:
+    print(f"[{time.time() - STARTED:6.1f} s] {message}", flush=True)
+
+
+def generate(model, prompts, max_new, batch, eos, pad, sample=False, deadline=None):
+    """New tokens per prompt (through the first end-of-sequence token), left-padded batches; stops
+    early, with fewer answers, once ``deadline`` (time.time()) has passed."""
+    answers = []
+    config = GenerationConfig(
+        max_new_tokens=max_new,
+        do_sample=sample,
+        temperature=1.0 if sample else None,
+        top_p=0.95 if sample else None,
+        top_k=None,
+        eos_token_id=sorted(eos),
+        pad_token_id=pad,
+    )
+    for first in range(0, len(prompts), batch):
+        if deadline and time.time() > deadline:
+            log(f"deadline: {len(answers)} of {len(prompts)} answered")
+            break
+        group = prompts[first : first + batch]
+        width = max(map(len, group))
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(group):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), generation_config=config
+            )
+        for row in out[:, width:].tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+            answers.append(row[:cut])
+        log(f"generated {len(answers)}/{len(prompts)} (max {max_new} new, batch {len(group)})")
+    return answers
+
+
+@torch.inference_mode()
+def features(model, prompts, answers, heads, batch=64):
+    """Normed final hidden states of the rows that produced answer tokens [n, hidden] (bfloat16)
+    and the tokens head j should guess from each [heads, n] (-1 past the end)."""
+    hidden, labels = [], []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(answers[i]))
+    for first in range(0, len(order), batch):
+        group = [prompts[i] + answers[i] for i in order[first : first + batch]]
+        width = max(map(len, group))
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, seq in enumerate(group):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+        last = model.model(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE))
+        last = last.last_hidden_state
+        for i, k in enumerate(order[first : first + batch]):
+            seq = group[i]
+            rows = torch.arange(len(prompts[k]) - 1, len(seq) - 2)
+            tokens = torch.tensor(seq + [-1] * heads)
+            hidden.append(last[i, rows.to(DEVICE)])
+            labels.append(torch.stack([tokens[rows + 2 + j] for j in range(heads)]))
+    return hidden, labels, order
+
+
+def cut_for_continuation(answer, rng):
+    """A raw-text prompt: the first 24..80 tokens of an answer, continued without a template."""
+    return answer[: rng.randint(24, min(80, len(answer) - 8))] if len(answer) > 40 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("gguf_name")
+    parser.add_argument("tokenizer_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--name", default="qwen2.5-coder-1.5b", help="the model's selfspec name")
+    parser.add_argument("--questions", type=int, default=6144)
+    parser.add_argument("--continuations", type=int, default=1024)
+    parser.add_argument("--topics", type=int, default=len(TOPICS))
+    parser.add_argument("--samples-per-topic", type=int, default=12)
+    parser.add_argument("--question-tokens", type=int, default=420)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--generate-seconds", type=float, default=150)
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir,
+        gguf_file=args.gguf_name,
+        dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+    ).to(DEVICE)
+    model.eval()
+    eos = {
+        tok.eos_token_id,
+        *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
+    }
+    eos.discard(None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    log(f"loaded: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, eos {eos}")
+
+    def chat(text):
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+
+    asks = [
+        chat(QUESTION_PROMPT.format(n=15, topic=t)) for t in TOPICS[: args.topics]
+    ] * args.samples_per_topic
+    questions: list[str] = []
+    written = generate(model, asks, args.question_tokens, args.batch, eos, pad, sample=True)
+    for answer in written:
+        add_questions(questions, tok.decode(answer, skip_special_tokens=True))
+    rng.shuffle(questions)
+    questions = questions[: args.questions]
+    (out_dir / "questions.json").write_text(json.dumps(questions))
+    log(f"{len(questions)} questions")
+
+    deadline = time.time() + args.generate_seconds
+    prompts = [chat(q) for q in questions]
+    answers = generate(model, prompts, args.max_new_tokens, args.batch, eos, pad, deadline=deadline)
+    prompts = prompts[: len(answers)]
+    raw = [p for p in (cut_for_continuation(a, rng) for a in answers) if p]
+    raw = raw[: args.continuations]
+    more = generate(model, raw, 192, args.batch, eos, pad, deadline=deadline + 30)
+    prompts += raw[: len(more)]
+    answers += more
+    lengths = [(len(p), len(a)) for p, a in zip(prompts, answers)]
+    save_file(
+        {
+            "tokens": torch.tensor(
+                [t for p, a in zip(prompts, answers) for t in p + a], dtype=torch.int32
+            ),
+            "lengths": torch.tensor(lengths, dtype=torch.int32),
+        },
+        str(out_dir / "answers.safetensors"),
+        metadata={"continuations_from": str(len(answers) - len(more))},
+    )
+    log(f"{len(answers)} answers ({len(more)} continue raw text), {sum(map(len, answers))} tokens")
+
+    hidden, labels, order = features(model, prompts, answers, args.heads)
+    # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them
+    test = [i for i, k in enumerate(order) if k % 20 == 0]
+    train = [i for i, k in enumerate(order) if k % 20 != 0]
+    out_rows = model.get_output_embeddings().weight[:32768].float()
+    heads = fit_rows(
+        torch.cat([hidden[i] for i in train]),
+        torch.cat([labels[i] for i in train], dim=1).to(DEVICE),
+        torch.cat([hidden[i] for i in test]),
+        torch.cat([labels[i] for i in test], dim=1).to(DEVICE),
+        out_rows,
+        args.epochs,
+        batch=4096,
+    )
+    heads.info.update(
+        model=args.name,
+        trained_on=f"{DEVICE}, transformers, {model.dtype}",
+        answers=len(answers),
+        continuations=len(more),
+        epochs=args.epochs,
+        seconds=round(time.time() - STARTED),
+    )
+    heads.save(out_dir / "heads.safetensors")
+    log(f"heads: {heads.info}")
+
+
+if __name__ == "__main__":
+    main()
