@@ -108,7 +108,8 @@ class StaticRunner(ModelRunner):
         vocab,
         last_only=False,
     ):
-        """One pass from sublayer ``first`` to the logits: every shape is that of the inputs."""
+        """One pass from sublayer ``first`` to the logits: (logits, hidden entering ``capture_at``,
+        final hidden states [1, rows, hidden]); every shape is that of the inputs."""
         a = self.adapter
         if first == 0:
             hidden = a.embed(ids[None])
@@ -126,7 +127,7 @@ class StaticRunner(ModelRunner):
         )
         if last_only:
             hidden = hidden[:, -1:]
-        return a.logits(hidden, vocab)[0].float(), captured
+        return a.logits(hidden, vocab)[0].float(), captured, hidden
 
     @torch.inference_mode()
     def forward(
@@ -151,7 +152,7 @@ class StaticRunner(ModelRunner):
                 else (None, 0)
             )
             positions = torch.arange(start, start + n, device=self.device)
-            return self._pass(
+            logits, captured, final = self._pass(
                 ids,
                 positions,
                 hidden,
@@ -162,13 +163,15 @@ class StaticRunner(ModelRunner):
                 vocab,
                 last_only=True,
             )
-        logits, captured = [], []
+            self.last_hidden = final[0]  # what draft heads read (drafters.heads)
+            return logits, captured
+        logits, captured, final = [], [], []
         for offset in range(0, n, PASS_ROWS):
             rows = min(PASS_ROWS, n - offset)
             part = None
             if resume is not None and resume.hidden.shape[1] >= offset + rows:
                 part = Resume(resume.sublayer, resume.hidden[:, offset : offset + rows])
-            part_logits, part_captured = self._fixed_pass(
+            part_logits, part_captured, part_final = self._fixed_pass(
                 ids[offset : offset + rows],
                 start + offset,
                 skip_attention,
@@ -179,6 +182,8 @@ class StaticRunner(ModelRunner):
             )
             logits.append(part_logits)
             captured.append(part_captured)
+            final.append(part_final)
+        self.last_hidden = torch.cat(final, dim=1)[0]
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         if capture_at is None:
             return logits, None
@@ -201,11 +206,12 @@ class StaticRunner(ModelRunner):
             self.hidden_in[:, :rows].copy_(resume.hidden)
         kind = (first, skip_attention, skip_mlp, capture_at, vocab)
         if self.use_graphs:
-            logits, captured = self._replay(kind)
+            logits, captured, final = self._replay(kind)
         else:
-            logits, captured = self._pass(self.ids, self.positions, self.hidden_in, *kind)
+            logits, captured, final = self._pass(self.ids, self.positions, self.hidden_in, *kind)
         # Graph outputs are overwritten by the next replay: hand out copies of the real rows.
-        return logits[:rows].clone(), captured[:, :rows].clone() if captured is not None else None
+        captured = captured[:, :rows].clone() if captured is not None else None
+        return logits[:rows].clone(), captured, final[:, :rows].clone()
 
     def _replay(self, kind: tuple):
         """Replay the graph of this kind of pass, capturing it first if it is new."""

@@ -148,6 +148,12 @@ CLI_ROWS = [
         "does not exist",
     ),
     (
+        "bench missing heads file",
+        lambda t: ["bench", *M, "--heads", str(t / "absent.safetensors"), "--methods", "heads"],
+        None,
+        "does not exist",
+    ),
+    (
         "unknown option",
         ["generate", "hi", "--tokens", "5"],
         None,

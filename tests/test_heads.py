@@ -102,3 +102,24 @@ def test_greedy_with_head_drafts_is_identical_to_plain_decoding(smollm2, trained
             rounds, d, k = result.stats.sources.get("heads", (0, 0, 0))
             drafted, kept = drafted + d, kept + k
     assert drafted > 0 and kept > 0
+
+
+@pytest.mark.slow
+def test_head_drafts_on_the_fixed_shape_runner_cuda_uses(smollm2_packed, trained):
+    """selfspec/static.py's runner (CUDA's), here on the CPU: it keeps each pass's final hidden
+    states too, so head drafts run on it, and the output stays plain decoding's."""
+    from selfspec.static import StaticRunner
+
+    engine, runner = smollm2_packed, smollm2_packed.runner
+    engine.runner = StaticRunner(engine.loaded, graphs=False)
+    try:
+        for prompt in ("def quicksort(items):", "The three primary colors are"):
+            plain = engine.generate(prompt, None, max_new_tokens=40)
+            drafter = HeadDrafter(engine.runner, engine.load_heads(trained[1]))
+            config = engine.decode_config(drafter, max_new_tokens=40, fallback=False)
+            result = engine.generate(prompt, drafter, config=config)
+            assert result.token_ids == plain.token_ids, prompt
+            rounds, drafted, kept = result.stats.sources["heads"]
+            assert rounds > 0 and drafted > 0
+    finally:
+        engine.runner = runner

@@ -34,8 +34,10 @@ def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
     outputs = []
     for runner in (plain, static):
         runner.reset(200)
-        out = [runner.forward(prompt, 0, last_logits_only=True)[0]]
-        out += [runner.forward(new[:n], 37)[0] for n in (1, 3, PASS_ROWS, PASS_ROWS + 4, len(new))]
+        # each pass's logits and the final hidden states it leaves for draft heads
+        out = [runner.forward(prompt, 0, last_logits_only=True)[0], runner.last_hidden.clone()]
+        for n in (1, 3, PASS_ROWS, PASS_ROWS + 4, len(new)):
+            out += [runner.forward(new[:n], 37)[0], runner.last_hidden.clone()]
         # a draft step (sublayers skipped, hidden state captured), then a verify pass resuming from
         # it
         logits, hidden = runner.forward(
@@ -44,8 +46,9 @@ def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
         out += [logits, hidden]
         out.append(runner.forward(new[:1], 37, resume=_resume(hidden))[0])
         outputs.append(out)
+    assert len(outputs[1]) == len(outputs[0])
     for a, b in zip(*outputs):
-        assert torch.equal(a, b)
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 def _resume(hidden):

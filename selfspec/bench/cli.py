@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft model for dual_model and hf_assisted (default: the model's usual draft model)",
     )
     parser.add_argument(
+        "--heads",
+        default=None,
+        help="draft heads file for self_speculative and heads (default: the model's; none: no "
+        "head drafts)",
+    )
+    parser.add_argument(
         "--prompts",
         default="spec-bench",
         help="a .jsonl file, or spec-bench[:cat,...] (default spec-bench: every category)",
@@ -88,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
+    heads = {None: True, "none": False}.get(args.heads, args.heads)
+    if isinstance(heads, str):
+        engine.load_heads(heads)  # a missing or unreadable file: said now, before any method runs
     draft = args.draft_model or DEFAULT_DRAFT_MODEL.get(engine.loaded.name)
     notes = []
     if draft is None and (methods is None or any(METHODS[m].needs == "draft" for m in methods)):
@@ -99,13 +108,18 @@ def run(args: argparse.Namespace) -> int:
         prompts,
         methods,
         plan=plan,
+        heads=heads,
         draft=draft,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         chat=False if args.no_chat else None,
         explicit=methods is not None,
         notes=notes,
-        config_extra={"prompt_spec": args.prompts, "limit": args.limit},
+        config_extra={
+            "prompt_spec": args.prompts,
+            "limit": args.limit,
+            "heads": args.heads or "the model's own, if any",
+        },
         baseline=not args.no_hf_baseline,
     )
     if args.out:

@@ -58,6 +58,7 @@ class BenchContext:
     hf_target: LoadedModel | None = None
     hf_draft: LoadedModel | None = None
     threads: int | None = None  # llama_cpp's threads (None: torch's, which selfspec runs with)
+    heads: bool | str = True  # draft heads: the model's (True), a file's, or none (False)
     state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
 
 
@@ -171,7 +172,7 @@ def _setup_self_speculative(ctx: BenchContext) -> None:
     # selfspec's default drafter: context drafts, the model's draft heads and the plan's layer-skip
     # drafts where they pay
     ctx.state["self_speculative"] = ctx.engine.self_drafter(
-        ctx.plan, layer_skip=ctx.plan is not None
+        ctx.plan, layer_skip=ctx.plan is not None, heads=ctx.heads
     )
 
 
@@ -181,7 +182,7 @@ def _setup_ngram(ctx: BenchContext) -> None:
 
 def _setup_heads(ctx: BenchContext) -> None:
     # context drafts and the model's draft heads, no layer-skip drafts
-    ctx.state["heads"] = ctx.engine.self_drafter(layer_skip=False)
+    ctx.state["heads"] = ctx.engine.self_drafter(layer_skip=False, heads=ctx.heads)
 
 
 def _setup_layer_skip(ctx: BenchContext) -> None:

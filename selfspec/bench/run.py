@@ -339,6 +339,7 @@ def run_bench(
     methods=None,
     *,
     plan: SkipPlan | None = None,
+    heads: bool | str = True,
     draft=None,
     max_new_tokens: int = 64,
     repeats: int = 1,
@@ -358,6 +359,7 @@ def run_bench(
     selfspec's own plain decoding.
 
     ``plan``: the skip plan for self_speculative (None: the engine's default plan).
+    ``heads``: draft heads for self_speculative and heads (True: the model's; a file; False: none).
     ``draft``: the draft model for dual_model and hf_assisted: a bundled name or path (loaded
     only after the target-only methods' memory is measured), a LoadedModel or an Engine.
     ``custom_methods``: extra methods, name -> Method or callable(ctx, prompt_ids) -> MethodRun;
@@ -384,7 +386,9 @@ def run_bench(
     _check_draft_early(engine, setup)
     setup.encoded = _encode(engine, prompts, chat, max_new_tokens)
     threads = torch.get_num_threads()
-    ctx = BenchContext(engine, max_new_tokens, engine.eos_ids(), plan=plan, threads=threads)
+    ctx = BenchContext(
+        engine, max_new_tokens, engine.eos_ids(), plan=plan, threads=threads, heads=heads
+    )
     ctx.state["llama_ctx"] = max(len(ids) for ids in setup.encoded) + max_new_tokens + 16
     peak_rss, runs = _measure(ctx, setup, progress)
     result = summarize(prompts, setup.encoded, chosen, registry, runs, peak_rss)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # selfspec's CUDA path on a lent GPU machine: the CUDA tests, then `selfspec profile` and
-# `selfspec bench` on random stand-ins of the bundled Qwen models (tests/gpu/standin.py).
+# `selfspec bench` on random stand-ins of the bundled Qwen models (tests/gpu/standin.py); stage
+# "real": the same on the real 1.5B.
 # Needs, beside the repo: .gpu/ (configs + tokenizer copied from the model cache) and, where
 # the machine's transformers differs from ours, .whl/ (wheels). Results go to $OUT.
 set -uo pipefail
@@ -38,4 +39,15 @@ if [[ $STAGE == all || $STAGE == measure ]]; then
       2>>"$OUT/stderr.log" | head -16
     cp /tmp/bench-$speed/bench.json "$OUT/bench-$speed.json"
   done
+fi
+if [[ $STAGE == real ]]; then
+  # The real 1.5B: its .gguf assembled at $GGUF first (how: search/qwen2.5-coder-1.5b/cuda-h200-real/
+  # README.md). Pass costs, then plain decoding, context drafts and context + head drafts.
+  GGUF=${GGUF:-/tmp/p/model.gguf}
+  python3 -m selfspec.cli profile --model "$GGUF" --device cuda --repeats 20 --json \
+    > "$OUT/profile-real.json" 2>>"$OUT/stderr.log"
+  python3 -m selfspec.cli bench --model "$GGUF" --device cuda --heads selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors \
+    --methods hf_generate,autoregressive,ngram,heads --prompts spec-bench --limit 1 --max-new-tokens 128 \
+    --out /tmp/bench-real 2>>"$OUT/stderr.log" | head -16
+  cp /tmp/bench-real/bench.json "$OUT/bench-real.json"
 fi
