@@ -151,6 +151,27 @@ def test_drafts_only_when_the_measured_costs_say_it_pays():
     assert draft.tokens == []
 
 
+def test_context_drafts_believed_unprofitable_are_tried_again():
+    """One slow pass timed on a busy machine must not stop context drafts for good: only their
+    own rounds time the longer passes that would correct the estimate."""
+    drafter = AdaptiveDrafter(vocab=100)
+    drafter.begin([1], 4096, DraftSettings(fallback=False))
+    context = [5, 6, 7, 8, 9, 5, 6, 7]
+    drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+    draft = round_of(drafter, context)
+    drafter.observe(RoundOutcome(1, 0, 0.0, 0.300, "ngram"))  # missed, and timed at 3 steps
+    drafted_at = []
+    for i in range(64):
+        draft = round_of(drafter, context)
+        if draft.tokens:  # a try: kept, and at a plain step's cost this time
+            drafted_at.append(i)
+            drafter.observe(RoundOutcome(1, 1, 0.0, 0.100, "ngram"))
+        else:
+            drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+    assert drafted_at and drafted_at[0] < 20  # tried again within the probe interval
+    assert len(drafted_at) > 32  # and once it pays again, drafted every round
+
+
 def test_context_drafts_of_a_new_text_stay_short_until_the_text_keeps_one():
     """What earlier texts kept says little about a new one: its context drafts are one token long
     until one is kept, then as long as the measured costs and acceptance say."""

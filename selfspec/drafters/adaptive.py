@@ -47,6 +47,10 @@ _DECAY = 0.97  # per round, the weight of what was measured before
 _CARRY_WEIGHT = 4.0
 _COST_WINDOW = 9  # timed passes a cost estimate is the median of
 _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts this many
+# Rounds between one-token tries of a cheap kind of draft (context, heads) believed unprofitable:
+# without them one slow pass timed on a busy machine could stop it for good (only its own rounds
+# time the longer passes that would correct the estimate).
+_CHEAP_PROBE_EVERY = 16
 # Rounds the speed guard judges at once. This drafter weighs costs itself every round, so the guard
 # is only a backstop against a wrong cost model; over the base guard's 8 rounds, cheap drafts kept
 # 40% of the time look slower than plain steps by chance alone, and each pause costs 16+ rounds.
@@ -250,6 +254,7 @@ class AdaptiveDrafter(Drafter):
         self.rounds = 0
         self.next_skip_probe = 0  # round at which layer-skip drafting is next tried regardless
         self.probe_gap = _PROBE_EVERY
+        self.next_cheap_probe = {"ngram": _CHEAP_PROBE_EVERY, "heads": _CHEAP_PROBE_EVERY}
         self._steps = 0  # layer-skip draft steps of the current round
         self._ngram_n = 0
         # Context drafts of a new text are one token long until the text keeps one: the acceptance
@@ -307,10 +312,11 @@ class AdaptiveDrafter(Drafter):
         if match is not None:
             acceptance = self.ngram.setdefault(match.ngram, Acceptance(self.max_tokens))
             k = (
-                min(self._best_length(acceptance, len(match.tokens)), self.ngram_cap)
+                self._or_probe("ngram", self._best_length(acceptance, len(match.tokens)))
                 if self.planned
                 else len(match.tokens)
             )
+            k = min(k, self.ngram_cap) if self.planned else k
             if k:
                 self._ngram_n = match.ngram
                 tokens = match.tokens[:k]
@@ -328,10 +334,21 @@ class AdaptiveDrafter(Drafter):
         step = (self.head_step.value or 0.0) * self.costs.plain
         limit = min(limit, len(self.heads.heads))
         k = self._best_length(self.head_acceptance, limit, step)
-        if not k or self._rate(self.head_acceptance, k, step) < self._skip_rate(limit):
+        if k and self._rate(self.head_acceptance, k, step) < self._skip_rate(limit):
+            k = 0
+        k = self._or_probe("heads", k)
+        if not k:
             return Draft()
         sub = DraftRequest(request.committed, k, request.sampling, request.generator)
         return self.heads.draft(sub)
+
+    def _or_probe(self, kind: str, k: int) -> int:
+        """``k``; or 1 where it is 0 but this cheap kind of draft has not run for
+        ``_CHEAP_PROBE_EVERY`` rounds, so an estimate that it does not pay is never final."""
+        if not k and self.rounds < self.next_cheap_probe[kind]:
+            return 0
+        self.next_cheap_probe[kind] = self.rounds + _CHEAP_PROBE_EVERY
+        return k or 1
 
     def _rate(self, acceptance: Acceptance, k: int, step: float) -> float:
         return acceptance.expected_tokens(k) / (self.costs.verify_cost(k + 1) + k * step)
