@@ -20,6 +20,7 @@ from selfspec.cliargs import (
     check_at_least,
     load_engine,
     read_prompt,
+    resolve_heads,
     resolve_plan,
 )
 from selfspec.errors import SelfSpecError
@@ -174,7 +175,7 @@ def _drafter_and_plan(engine, args: argparse.Namespace):
         )
     if args.draft == "layer-skip":
         return engine.layer_skip_drafter(plan), plan
-    heads = {None: True, "none": False}.get(args.heads, args.heads)
+    heads = resolve_heads(engine, args)
     return engine.self_drafter(plan, layer_skip=plan is not None, heads=heads), plan
 
 

@@ -117,6 +117,15 @@ def read_prompt(arg: str | None) -> str:
     return text
 
 
+def resolve_heads(engine: Engine, args: argparse.Namespace) -> bool | str:
+    """--heads as ``Engine.self_drafter`` takes it: True (the model's own), a file (read now, so a
+    missing or unreadable one is said before any work), or False for "none"."""
+    heads = {None: True, "none": False}.get(args.heads, args.heads)
+    if isinstance(heads, str):
+        engine.load_heads(heads)
+    return heads
+
+
 def resolve_plan(engine: Engine, args: argparse.Namespace) -> SkipPlan | None:
     """The plan a command should use: --plan, else the model's default, with --skip-* overrides."""
     from selfspec.plan import DraftPolicy, parse_layer_list

@@ -183,7 +183,7 @@ class StaticRunner(ModelRunner):
             logits.append(part_logits)
             captured.append(part_captured)
             final.append(part_final)
-        self.last_hidden = torch.cat(final, dim=1)[0]
+        self.last_hidden = (final[0] if len(final) == 1 else torch.cat(final, dim=1))[0]
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
         if capture_at is None:
             return logits, None

@@ -337,21 +337,15 @@ def test_sampling_with_context_drafts_matches_the_target(sharper_tiny, monkeypat
     """Context drafts are certain (q = 1 for the drafted token): the acceptance rule then keeps a
     draft with probability p and resamples from p without it, which leaves p exactly. The same test
     with the rule broken (resampling from p itself) must fail."""
-    from test_sampling import (
-        SIGNIFICANCE,
-        broken_accept,
-        chi_square_p_value,
-        exact_second_token_marginal,
-    )
-
-    from selfspec import decode
+    from test_sampling import assert_keeps_target_distribution
 
     engine = sharper_tiny
     sampling = Sampling(temperature=1.0)
     prompt = own_text(engine, sampling, 150)
-    exact = exact_second_token_marginal(engine, prompt, sampling)
-    counts = second_token_counts(engine, prompt, sampling, 1500)
-    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
-    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
-    broken = second_token_counts(engine, prompt, sampling, 1500)
-    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
+    assert_keeps_target_distribution(
+        engine,
+        prompt,
+        sampling,
+        lambda: second_token_counts(engine, prompt, sampling, 1500),
+        monkeypatch,
+    )

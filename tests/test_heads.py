@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sampling import (
-    SIGNIFICANCE,
-    broken_accept,
-    chi_square_p_value,
-    drafted_second_token_counts,
-    exact_second_token_marginal,
-)
+from test_sampling import assert_keeps_target_distribution, drafted_second_token_counts
 
-from selfspec import decode
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.headtrain import train_heads
@@ -58,12 +51,13 @@ def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
     prompt = [5, 17, 33, 2]
     sampling = Sampling(temperature=4.0)
     drafter = HeadDrafter(engine.runner, random_heads(64, 2, 40))
-    exact = exact_second_token_marginal(engine, prompt, sampling)
-    counts = drafted_second_token_counts(engine, prompt, sampling, drafter, 1500)
-    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
-    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
-    broken = drafted_second_token_counts(engine, prompt, sampling, drafter, 1500)
-    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
+    assert_keeps_target_distribution(
+        engine,
+        prompt,
+        sampling,
+        lambda: drafted_second_token_counts(engine, prompt, sampling, drafter, 1500),
+        monkeypatch,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -112,17 +112,27 @@ def drafted_second_token_counts(engine, prompt, sampling, drafter, n):
     return counts
 
 
+def assert_keeps_target_distribution(engine, prompt, sampling, second_tokens, monkeypatch):
+    """``second_tokens()``: counts of the second token over seeded generations. They match the
+    target's exact marginal (chi-square), and with a broken acceptance rule the same test fails."""
+    exact = exact_second_token_marginal(engine, prompt, sampling)
+    assert chi_square_p_value(second_tokens(), exact) > SIGNIFICANCE
+    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
+    assert chi_square_p_value(second_tokens(), exact) < SIGNIFICANCE
+
+
 def test_speculative_sampling_end_to_end_matches_target(peaked_tiny, monkeypatch):
     engine = peaked_tiny
     prompt = [5, 17, 33, 2]
     sampling = Sampling(temperature=1.0)
     plan = engine.make_plan([1, 2], [2])
-    exact = exact_second_token_marginal(engine, prompt, sampling)
-    counts = second_token_counts(engine, prompt, sampling, plan, 1500)
-    assert chi_square_p_value(counts, exact) > SIGNIFICANCE
-    monkeypatch.setattr(decode, "accept_sampled", broken_accept)
-    broken = second_token_counts(engine, prompt, sampling, plan, 1500)
-    assert chi_square_p_value(broken, exact) < SIGNIFICANCE
+    assert_keeps_target_distribution(
+        engine,
+        prompt,
+        sampling,
+        lambda: second_token_counts(engine, prompt, sampling, plan, 1500),
+        monkeypatch,
+    )
 
 
 def test_sampling_with_a_partial_draft_head_matches_target(peaked_tiny):

@@ -15,6 +15,7 @@ from selfspec.cliargs import (
     add_plan_arguments,
     check_at_least,
     load_engine,
+    resolve_heads,
     resolve_plan,
 )
 from selfspec.errors import SelfSpecError
@@ -94,9 +95,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, limit=args.limit)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
-    heads = {None: True, "none": False}.get(args.heads, args.heads)
-    if isinstance(heads, str):
-        engine.load_heads(heads)  # a missing or unreadable file: said now, before any method runs
+    heads = resolve_heads(engine, args)
     draft = args.draft_model or DEFAULT_DRAFT_MODEL.get(engine.loaded.name)
     notes = []
     if draft is None and (methods is None or any(METHODS[m].needs == "draft" for m in methods)):

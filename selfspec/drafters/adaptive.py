@@ -16,7 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from selfspec.adaptation import SpeedGuard
 from selfspec.drafters.base import (
     Draft,
     Drafter,
@@ -51,10 +50,6 @@ _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts
 # without them one slow pass timed on a busy machine could stop it for good (only its own rounds
 # time the longer passes that would correct the estimate).
 _CHEAP_PROBE_EVERY = 16
-# Rounds the speed guard judges at once. This drafter weighs costs itself every round, so the guard
-# is only a backstop against a wrong cost model; over the base guard's 8 rounds, cheap drafts kept
-# 40% of the time look slower than plain steps by chance alone, and each pause costs 16+ rounds.
-_GUARD_WINDOW = 24
 
 
 class RecentMedian:
@@ -225,6 +220,10 @@ class AdaptiveDrafter(Drafter):
     round by round."""
 
     name = "self_speculative"
+    # This drafter weighs costs itself every round, so its speed guard is only a backstop against a
+    # wrong cost model; over the base guard's 8 rounds, cheap drafts kept 40% of the time look
+    # slower than plain steps by chance alone, and each pause costs 16+ rounds.
+    guard_window = 24
 
     def __init__(
         self,
@@ -272,7 +271,6 @@ class AdaptiveDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
-        self.guard = SpeedGuard(enabled=settings.fallback, window=_GUARD_WINDOW)
         self.index.reset()
         self.ngram_cap = 1
         for acceptance in (self.skip, *self.ngram.values(), self.head_acceptance):
@@ -311,12 +309,9 @@ class AdaptiveDrafter(Drafter):
         match = self.index.lookup(limit)
         if match is not None:
             acceptance = self.ngram.setdefault(match.ngram, Acceptance(self.max_tokens))
-            k = (
-                self._or_probe("ngram", self._best_length(acceptance, len(match.tokens)))
-                if self.planned
-                else len(match.tokens)
-            )
-            k = min(k, self.ngram_cap) if self.planned else k
+            k = len(match.tokens)
+            if self.planned:
+                k = min(self._or_probe("ngram", self._best_length(acceptance, k)), self.ngram_cap)
             if k:
                 self._ngram_n = match.ngram
                 tokens = match.tokens[:k]

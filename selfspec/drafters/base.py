@@ -73,10 +73,11 @@ class Drafter:
     """
 
     name = "drafter"
+    guard_window = 8  # drafting rounds the speed guard judges at once
 
     def __init__(self) -> None:
         self.settings = DraftSettings()
-        self.guard = SpeedGuard()
+        self.guard = SpeedGuard(window=self.guard_window)
 
     @property
     def threshold(self) -> AdaptiveThreshold:
@@ -84,7 +85,7 @@ class Drafter:
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         self.settings = settings
-        self.guard = SpeedGuard(enabled=settings.fallback)
+        self.guard = SpeedGuard(enabled=settings.fallback, window=self.guard_window)
 
     def propose(self, request: DraftRequest) -> Draft:
         if self.guard.paused():

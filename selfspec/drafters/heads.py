@@ -2,10 +2,11 @@
 
 The verify pass that produced the pending token x (from row i) leaves the full model's final hidden
 state h_i behind. Head j maps it to a guess of the token j + 1 places after x, through the model's
-own output head (as in Medusa), so a draft of k tokens costs k small matrix-vector products and k
-passes of the output head over the draft's ids: a few percent of a target step, where a layer-skip
-draft step costs most of one. The heads are the only weights here that the target lacks; they are
-trained on the target's own answers (``selfspec.headtrain``), never on the prompts bench measures.
+own output head (as in Medusa), so a draft of k tokens costs k small matrix-vector products and one
+pass of the output head over the draft's ids for the k rows: a few percent of a target step,
+where a layer-skip draft step costs most of one. The heads are the only weights here that the
+target lacks; they are trained on the target's own answers (``selfspec.headtrain``), never on the
+prompts bench measures.
 
     n = final_norm(h_i);  z_j = n + silu(W_j n + b_j);  logits_j = output_head(z_j)
 """
