@@ -60,6 +60,10 @@ class DraftVocab:
             self._outputs = linear_outputs(linear, self._extra_ids())
         return torch.cat([prefix, self._outputs(x)], dim=-1)
 
+    def id_at(self, index: int) -> int:
+        """The token id of position ``index`` of ``logits``' output."""
+        return index if index < self.prefix else self.extra[index - self.prefix]
+
     def spread(self, logits: torch.Tensor) -> torch.Tensor:
         """[prefix + E] logits -> [size], -inf at every id the draft does not score (q = 0)."""
         out = logits.new_full((self.size,), float("-inf"))

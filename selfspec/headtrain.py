@@ -1,9 +1,9 @@
 """Training draft heads (``drafters.heads``) on the target's own answers.
 
 Self-distillation, with no data from outside the model: the model writes questions on a list of
-topics, answers them (greedy, in its speed mode), and each head learns, from the final hidden state
-at one answer token, the answer token 2, 3, ... places later. Spec-Bench's prompts are never used,
-so bench measures the heads on text they have not seen.
+topics, answers them (greedy, in its speed mode), and the chain of heads learns, from the final
+hidden state at one answer token and the tokens after it, the answer tokens 2, 3, ... places later.
+Spec-Bench's prompts are never used, so bench measures the heads on text they have not seen.
 
     data  = answers_for(engine, work, questions, max_new)   # saved atomically: a rerun resumes
     rows  = features(engine, data["prompts"], data["answers"], heads)
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from selfspec.drafters.heads import DraftHeads, head_input
+from selfspec.drafters.heads import DraftHeads, head_step, token_input
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
@@ -133,8 +133,7 @@ def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dic
 
 @torch.inference_mode()
 def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]], heads: int):
-    """Per answer: final hidden states (normed) of its rows [n, hidden] and the tokens each head
-    should guess from them [heads, n] (-1 past the answer's end)."""
+    """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``."""
     runner = engine.runner
     out = []
     bar = progress_bar(len(prompts), "hidden states", unit="answer")
@@ -144,15 +143,31 @@ def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]],
         _, hidden = runner.forward(
             torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
         )
-        # row i (prompt's last .. answer's) produced token i + 1; head j guesses token i + 2 + j
         rows = torch.arange(len(prompt) - 1, len(ids) - 2)
         normed = runner.adapter.final_norm(hidden[0, rows]).float()
-        tokens = torch.tensor(ids + [-1] * heads)
-        labels = torch.stack([tokens[rows + 2 + j] for j in range(heads)])
-        out.append((normed.half().cpu(), labels))
+        out.append((normed.half().cpu(), chain_tokens(ids, rows, heads)))
         bar.update()
     bar.close()
     return out
+
+
+def chain_tokens(ids: list[int], rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """[heads + 1, n]: per row i (which produced token i + 1), tokens i + 1 ... i + 1 + heads: the
+    token the chain starts from, then the one each head should guess (-1 past the end)."""
+    tokens = torch.tensor(ids + [-1] * heads)
+    return torch.stack([tokens[rows + 1 + j] for j in range(heads + 1)])
+
+
+def embedding_table(engine: Engine, chunk: int = 4096) -> torch.Tensor:
+    """Every token's input embedding, in the engine's own arithmetic: float16 [vocab, hidden]."""
+    runner = engine.runner
+    size = runner.model.get_input_embeddings().num_embeddings
+    parts = []
+    with torch.inference_mode():
+        for first in range(0, size, chunk):
+            ids = torch.arange(first, min(size, first + chunk), device=runner.device)
+            parts.append(runner.adapter.embed(ids).half().cpu())
+    return torch.cat(parts)
 
 
 def output_rows(engine: Engine, count: int) -> torch.Tensor:
@@ -177,8 +192,9 @@ def fit(
     heldout: float = 0.1,
     seed: int = 0,
 ) -> DraftHeads:
-    """Train ``heads`` heads (cross-entropy over the first ``vocab_prefix`` ids; guesses past them
-    are left out) on all but the last ``heldout`` share of answers, measured on those."""
+    """Train a chain of ``heads`` heads (cross-entropy over the first ``vocab_prefix`` ids;
+    guesses past them are left out) on all but the last ``heldout`` share of answers, measured on
+    those."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
@@ -190,10 +206,11 @@ def fit(
     train, test = answers[:split], answers[split:] or answers[-1:]
     trained = fit_rows(
         torch.cat([h for h, _ in train]),
-        torch.cat([y for _, y in train], dim=1)[:heads],
+        torch.cat([y for _, y in train], dim=1)[: heads + 1],
         torch.cat([h for h, _ in test]),
-        torch.cat([y for _, y in test], dim=1)[:heads],
+        torch.cat([y for _, y in test], dim=1)[: heads + 1],
         output_rows(engine, vocab_prefix),
+        embedding_table(engine),
         epochs,
     )
     trained.info.update(
@@ -202,60 +219,76 @@ def fit(
     return trained
 
 
-def fit_rows(hidden, labels, test_hidden, test_labels, out, epochs, batch=256, lr=1e-3):
-    """Heads from normed final hidden states [n, hidden] and the tokens each head should guess
-    [heads, n] (-1: none), on the device ``out`` (the output head's rows [vocab, hidden]) is on;
-    the held-out rows give ``info["heldout_top1_by_head"]``."""
-    weights, biases, top1 = [], [], []
-    for j, head_labels in enumerate(labels):
-        rows = ((head_labels >= 0) & (head_labels < len(out))).nonzero()[:, 0]
-        w, b = _fit_one(hidden, head_labels, rows, out, epochs, batch, lr, f"head {j + 1}")
-        weights.append(w.cpu())
-        biases.append(b.cpu())
-        top1.append(_top1(test_hidden, test_labels[j], w, b, out))
-    info = {
-        "vocab_prefix": len(out),
-        "rows": int((labels[0] >= 0).sum()),
-        "heldout_top1_by_head": [round(t, 4) for t in top1],
-        "heldout_top1": round(top1[0], 4),
-    }
-    return DraftHeads(weights, biases, info)
-
-
-def _fit_one(hidden, labels, rows, out, epochs, batch, lr, desc):
-    """AdamW, learning rate decaying linearly to a tenth; ``rows`` index the usable rows."""
-    size, device = hidden.shape[1], out.device
-    w = torch.zeros(size, size, device=device, requires_grad=True)
-    b = torch.zeros(size, device=device, requires_grad=True)
-    opt = torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0)
+def fit_rows(hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch=256, lr=1e-3):
+    """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
+    [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
+    holds every token's input embedding [vocab, hidden]. The held-out rows give
+    ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all guess right."""
+    count, size, device = len(tokens) - 1, hidden.shape[1], out.device
+    weights = [torch.zeros(size, 2 * size, device=device, requires_grad=True) for _ in range(count)]
+    biases = [torch.zeros(size, device=device, requires_grad=True) for _ in range(count)]
+    opt = torch.optim.AdamW(weights + biases, lr=lr, weight_decay=0.0)
+    rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
-    bar = progress_bar(steps, desc, unit="batch")
+    bar = progress_bar(steps, f"{count} chained heads", unit="batch")
     for _ in range(epochs):
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
             i = order[first : first + batch]
-            x = hidden[i].to(device, torch.float32)
-            loss = F.cross_entropy(head_input(x, w, b) @ out.T, labels[i].to(device))
+            losses = [
+                F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+                / max(1, int((target >= 0).sum()))
+                for logits, target in _chain(hidden[i], tokens[:, i], weights, biases, out, embed)
+            ]
             opt.zero_grad()
-            loss.backward()
+            sum(losses).backward()
             opt.step()
             decay.step()
             bar.update()
     bar.close()
-    return w.detach(), b.detach()
+    top1 = _chain_top1(test_hidden, test_tokens, weights, biases, out, embed)
+    info = {
+        "vocab_prefix": len(out),
+        "rows": len(rows),
+        "heldout_top1_by_head": [round(t, 4) for t in top1],
+        "heldout_top1": round(top1[0], 4),
+    }
+    return DraftHeads([w.detach().cpu() for w in weights], [b.detach().cpu() for b in biases], info)
 
 
-def _top1(hidden, labels, w, b, out, batch=4096) -> float:
-    rows = (labels >= 0).nonzero()[:, 0]
-    hits = 0
+def _chain(hidden, tokens, weights, biases, out, embed):
+    """Per head: (logits over ``out``'s ids [rows, len(out)], the token to guess, -100 where
+    there is none in ``out``), the chain fed the true tokens."""
+    device = out.device
+    state = hidden.to(device, torch.float32)
+    tokens = tokens.to(device)
+    for j, (w, b) in enumerate(zip(weights, biases)):
+        fed = token_input(embed[tokens[j].clamp(min=0).to(embed.device)].to(device))
+        state = head_step(state, fed, w, b)
+        target = tokens[j + 1]
+        yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
+
+
+def _chain_top1(hidden, tokens, weights, biases, out, embed, batch=4096) -> list[float]:
+    """Per head j: the share of rows (those with a token for it) where heads 1..j all guess
+    right."""
+    right = torch.zeros(len(weights))
+    total = torch.zeros(len(weights))
     with torch.no_grad():
-        for first in range(0, len(rows), batch):
-            i = rows[first : first + batch]
-            x = hidden[i].to(out.device, torch.float32)
-            guess = (head_input(x, w, b) @ out.T).argmax(-1)
-            hits += int((guess == labels[i].to(out.device)).sum())
-    return hits / len(rows) if len(rows) else 0.0
+        for first in range(0, hidden.shape[0], batch):
+            chain = _chain(
+                hidden[first : first + batch], tokens[:, first : first + batch],
+                weights, biases, out, embed,
+            )  # fmt: skip
+            so_far = None
+            for j, (logits, target) in enumerate(chain):
+                hit = logits.argmax(-1) == target
+                so_far = hit if so_far is None else so_far & hit
+                has = tokens[j + 1, first : first + batch].to(out.device) >= 0
+                right[j] += float((so_far & has).sum())
+                total[j] += float(has.sum())
+    return (right / total.clamp(min=1)).tolist()
 
 
 def train_heads(

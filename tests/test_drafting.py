@@ -12,7 +12,7 @@ from selfspec.drafters import (
     DraftSettings,
     RoundOutcome,
 )
-from selfspec.drafters.adaptive import Acceptance, PassCosts, _head_prior
+from selfspec.drafters.adaptive import Acceptance, Calibration, PassCosts, _head_prior
 from selfspec.drafters.ngram import ContextIndex
 from selfspec.sampling import Sampling
 
@@ -241,7 +241,7 @@ def test_layer_skip_is_not_probed_where_it_cannot_pay():
 
 
 def test_head_drafts_start_from_the_held_out_figures_of_their_training():
-    # head j alone right on 50%, 30%, 15% of held-out positions: kept given the ones before it
+    # heads 1..j all right on 50%, 30%, 15% of held-out positions: kept given the ones before it
     prior = _head_prior({"heldout_top1_by_head": [0.5, 0.3, 0.15]})
     assert prior == pytest.approx([0.5, 0.6, 0.5])
     acceptance = Acceptance(3, prior)
@@ -250,6 +250,17 @@ def test_head_drafts_start_from_the_held_out_figures_of_their_training():
         acceptance.record(drafted=3, accepted=0)
     assert acceptance.rate(0) < 0.1  # what the stream shows soon outweighs it
     assert _head_prior({}) is None and _head_prior({"heldout_top1_by_head": [0.4, 0.0]}) is None
+
+
+def test_head_chances_are_scaled_by_how_they_came_true():
+    calibration = Calibration()
+    assert calibration.value == 1.0
+    for _ in range(60):  # chances summing to 2 per round, 1 token kept
+        calibration.record(expected=2.0, kept=1)
+    assert 0.48 < calibration.value < 0.55
+    for _ in range(200):
+        calibration.record(expected=0.1, kept=3)
+    assert calibration.value == 2.0  # bounded
 
 
 def test_the_guard_pauses_slow_drafting_and_tries_again():

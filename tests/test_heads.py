@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_sampling import assert_keeps_target_distribution, drafted_second_token_counts
 
+from selfspec.drafters.base import DraftRequest, DraftSettings
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.headtrain import train_heads
@@ -15,7 +16,7 @@ from selfspec.sampling import Sampling
 
 def random_heads(size: int, count: int, vocab_prefix: int, scale: float = 0.5) -> DraftHeads:
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(size, size, generator=g) * scale / size**0.5 for _ in range(count)]
+    weights = [torch.randn(size, 2 * size, generator=g) * scale / size**0.5 for _ in range(count)]
     biases = [torch.randn(size, generator=g) * scale for _ in range(count)]
     return DraftHeads(weights, biases, {"vocab_prefix": vocab_prefix})
 
@@ -96,6 +97,24 @@ def test_greedy_with_head_drafts_is_identical_to_plain_decoding(smollm2, trained
             rounds, d, k = result.stats.sources.get("heads", (0, 0, 0))
             drafted, kept = drafted + d, kept + k
     assert drafted > 0 and kept > 0
+
+
+def test_a_chain_of_guesses_stops_at_the_first_not_worth_proposing(smollm2, trained):
+    """The chance of a chain of guesses falls guess by guess, and ``worth`` cuts the chain."""
+    runner = smollm2.runner
+    prompt = smollm2.encode("def quicksort(items):")
+    runner.reset(len(prompt) + 8)
+    logits, _ = runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
+    request = DraftRequest(prompt + [int(logits[-1].argmax())], 2, Sampling(), None)
+    drafter = HeadDrafter(runner, trained[0])  # two heads (the file may hold one by now)
+    drafter.begin(prompt, len(prompt) + 8, DraftSettings())
+    full = drafter.draft(request)
+    assert len(full.tokens) == 2 and len(drafter.last_chances) == 2
+    seen = []
+    draft = drafter.draft(request, lambda chances: seen.append(list(chances)) or len(chances) < 2)
+    assert draft.tokens == full.tokens[:1] and len(drafter.last_chances) == 1
+    assert 1 >= seen[1][0] >= seen[1][1] > 0  # asked about guess 2 with both chances
+    assert drafter.draft(request, lambda chances: False).tokens == []
 
 
 @pytest.mark.slow

@@ -52,6 +52,24 @@ _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts
 _CHEAP_PROBE_EVERY = 16
 
 
+class Calibration:
+    """How far estimated chances come true: kept / expected tokens over recent rounds (each
+    round's weight decays by ``_DECAY``), 1 before any round, within [0.25, 2]."""
+
+    def __init__(self, prior_tokens: float = 2.0):
+        self.prior = prior_tokens
+        self.expected = self.kept = 0.0
+
+    def record(self, expected: float, kept: int) -> None:
+        self.expected = _DECAY * self.expected + expected
+        self.kept = _DECAY * self.kept + kept
+
+    @property
+    def value(self) -> float:
+        ratio = (self.kept + self.prior) / (self.expected + self.prior)
+        return min(2.0, max(0.25, ratio))
+
+
 class RecentMedian:
     """The median of the last few samples: a pass's time on a busy machine has a long right tail
     (another process, a page fault), and a mean, even a moving one, follows each spike."""
@@ -242,6 +260,7 @@ class AdaptiveDrafter(Drafter):
         if heads is not None:
             self.head_acceptance = Acceptance(len(heads.heads), _head_prior(heads.heads.info))
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
+        self.head_calibration = Calibration()  # head drafts' kept tokens / their chances' sum
         self.planned = planned
         self.plan = layer_skip.plan if layer_skip is not None else None
         self.index = ContextIndex(min_ngram=min_ngram)
@@ -331,11 +350,26 @@ class AdaptiveDrafter(Drafter):
         k = self._best_length(self.head_acceptance, limit, step)
         if k and self._rate(self.head_acceptance, k, step) < self._skip_rate(limit):
             k = 0
-        k = self._or_probe("heads", k)
-        if not k:
+        if not self._or_probe("heads", k):
             return Draft()
-        sub = DraftRequest(request.committed, k, request.sampling, request.generator)
-        return self.heads.draft(sub)
+        sub = DraftRequest(request.committed, limit, request.sampling, request.generator)
+        return self.heads.draft(sub, self._head_worth(step))
+
+    def _head_worth(self, step: float) -> Callable[[list[float]], bool]:
+        """Whether a round's next head guess adds more tokens per second than it costs, from its
+        chance of being kept (the heads' confidence, scaled by how it has come true): a guess with
+        chance c raises a round's expected tokens E by c and its cost C by one verify row and one
+        head step, so it pays while c / (row + step) >= E / C."""
+        calibration = self.head_calibration.value
+
+        def worth(chances: list[float]) -> bool:
+            j = len(chances) - 1
+            expected = 1.0 + calibration * sum(chances[:-1])
+            cost = self.costs.verify_cost(j + 1) + j * step
+            extra = self.costs.verify_cost(j + 2) - self.costs.verify_cost(j + 1) + step
+            return calibration * chances[-1] * cost >= _GAIN_MARGIN * extra * expected
+
+        return worth
 
     def _or_probe(self, kind: str, k: int) -> int:
         """``k``; or 1 where it is 0 but this cheap kind of draft has not run for
@@ -403,6 +437,7 @@ class AdaptiveDrafter(Drafter):
                 self.ngram_cap = self.max_tokens  # the text repeats itself: as long as pays
         elif outcome.source == "heads":
             self.head_acceptance.record(outcome.drafted, outcome.accepted)
+            self.head_calibration.record(sum(self.heads.last_chances), outcome.accepted)
             if self.costs.plain:
                 self.head_step.add(outcome.draft_seconds / outcome.drafted / self.costs.plain)
         elif outcome.source == "layer_skip":
@@ -416,7 +451,7 @@ class AdaptiveDrafter(Drafter):
 
 def _head_prior(info: dict) -> list[float] | None:
     """P(head j's guess kept | the ones before it were), from the held-out figures the heads were
-    trained with (the share of positions where head j alone guesses right), or None."""
+    trained with (the share of held-out positions where heads 1..j all guess right), or None."""
     top1 = info.get("heldout_top1_by_head")
     if not top1 or min(top1) <= 0:
         return None

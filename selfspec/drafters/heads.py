@@ -1,20 +1,27 @@
-"""Drafts read off the last verify pass: small heads on the target's final hidden state.
+"""Drafts read off the last verify pass: small chained heads on the target's final hidden state.
 
-The verify pass that produced the pending token x (from row i) leaves the full model's final hidden
-state h_i behind. Head j maps it to a guess of the token j + 1 places after x, through the model's
-own output head (as in Medusa), so a draft of k tokens costs k small matrix-vector products and one
-pass of the output head over the draft's ids for the k rows: a few percent of a target step,
-where a layer-skip draft step costs most of one. The heads are the only weights here that the
-target lacks; they are trained on the target's own answers (``selfspec.headtrain``), never on the
-prompts bench measures.
+The verify pass that produced the pending token x (from row i) leaves the full model's final
+hidden state h_i behind. A chain of heads walks on from it, each fed the token before the one it
+guesses (x first, then its own guesses), and scores tokens through the model's own output head (as
+in Medusa; fed the token, as in EAGLE and Hydra, which is what makes the first guess good). A
+draft of k tokens costs k small products and k output-head passes over the draft's ids: a few
+percent of a target step each, where a layer-skip draft step costs most of one. The heads are the
+only weights here that the target lacks; they are trained on the target's own answers
+(``selfspec.headtrain``), never on the prompts bench measures.
 
-    n = final_norm(h_i);  z_j = n + silu(W_j n + b_j);  logits_j = output_head(z_j)
+    s_0 = final_norm(h_i);  y_0 = x
+    s_j+1 = s_j + silu(W_j [s_j ; e(y_j)] + b_j);  y_j+1 = argmax output_head(s_j+1)
+
+e(y) is the model's input embedding of y scaled to unit RMS. A guess only counts while every guess
+before it was right, and then the chain was fed the true tokens: training feeds the true tokens
+(teacher forcing) and is exactly what drafting meets.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,19 +37,26 @@ from selfspec.fileio import atomic_write_bytes
 if TYPE_CHECKING:
     from selfspec.runner import ModelRunner
 
-FORMAT = "selfspec-draft-heads/1"
+FORMAT = "selfspec-draft-heads/2"
 
 
-def head_input(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """What the output head reads for one head's guess: n + silu(W n + b), [..., hidden], the
-    product in W's dtype. Training (``selfspec.headtrain``) and drafting both go through here."""
-    product = F.linear(normed.to(weight.dtype), weight, bias)
-    return normed + F.silu(product).to(normed.dtype)
+def token_input(embedded: torch.Tensor) -> torch.Tensor:
+    """A token's input embedding [..., hidden] as the heads read it: scaled to unit RMS."""
+    embedded = embedded.float()
+    return embedded * torch.rsqrt(embedded.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def head_step(state, token, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], the product in W's dtype.
+    ``token`` is ``token_input`` of the token before the guess. Training
+    (``selfspec.headtrain``) and drafting both go through here."""
+    both = torch.cat([state, token.to(state.dtype)], dim=-1)
+    return state + F.silu(F.linear(both.to(weight.dtype), weight, bias)).to(state.dtype)
 
 
 @dataclass
 class DraftHeads:
-    """Head j: weight [hidden, hidden] and bias [hidden], float32."""
+    """Head j: weight [hidden, 2 * hidden] and bias [hidden], float32."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor]
@@ -50,7 +64,7 @@ class DraftHeads:
 
     @property
     def hidden_size(self) -> int:
-        return self.weights[0].shape[1]
+        return self.weights[0].shape[0]
 
     @property
     def vocab_prefix(self) -> int:
@@ -59,9 +73,9 @@ class DraftHeads:
     def __len__(self) -> int:
         return len(self.weights)
 
-    def inputs(self, normed: torch.Tensor, j: int) -> torch.Tensor:
-        """What the output head reads for head j's guess: [..., hidden] -> [..., hidden]."""
-        return head_input(normed, self.weights[j], self.biases[j])
+    def step(self, state: torch.Tensor, token: torch.Tensor, j: int) -> torch.Tensor:
+        """Head j's link of the chain: ``head_step`` with its weights."""
+        return head_step(state, token, self.weights[j], self.biases[j])
 
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
         return DraftHeads(
@@ -95,6 +109,11 @@ class DraftHeads:
             raise SelfSpecError(
                 f"cannot read draft heads {path} ({e}); train them again with selfspec train-heads"
             ) from None
+        if meta.get("format") == "selfspec-draft-heads/1":
+            raise SelfSpecError(
+                f"{path} holds draft heads of an older selfspec (unchained); train them again "
+                "with selfspec train-heads"
+            )
         if meta.get("format") != FORMAT:
             raise SelfSpecError(f"{path} is not a selfspec draft heads file ({FORMAT})")
         count = len([k for k in tensors if k.endswith(".weight")])
@@ -113,7 +132,7 @@ class DraftHeads:
     def describe(self) -> str:
         top1 = self.info.get("heldout_top1")
         kept = f", first guess right on {top1:.0%} of held-out answer tokens" if top1 else ""
-        return f"{len(self)} draft head(s) on the final hidden state{kept}"
+        return f"{len(self)} chained draft head(s) on the final hidden state{kept}"
 
 
 class HeadDrafter(Drafter):
@@ -145,22 +164,44 @@ class HeadDrafter(Drafter):
             return None if last is None else last[-1:]
         return self._hidden
 
-    def draft(self, request: DraftRequest) -> Draft:
+    def draft(self, request: DraftRequest, worth: Callable[[list[float]], bool] | None = None):
+        """Up to ``request.max_tokens`` guesses. ``worth(chances)``, if given, decides whether
+        guess j is proposed, from ``chances`` [j + 1]: the chance that guesses 0..i are all kept,
+        per i, estimated from the heads' own confidence (their top probability); the first guess
+        not worth it ends the draft. ``last_chances`` keeps the proposed guesses' chances."""
         k = min(request.max_tokens, len(self.heads))
         hidden = self._pending_row()
+        self.last_chances = []
         if k <= 0 or hidden is None:
             return Draft()
         self.vocab.follow(request.committed)
-        adapter = self.runner.adapter
+        adapter, greedy = self.runner.adapter, request.sampling.greedy
         normed = adapter.final_norm(hidden)
-        rows = torch.cat([self.heads.inputs(normed.float(), j) for j in range(k)])
-        logits = adapter.normed_logits(rows.to(normed.dtype)[None], self.vocab)[0].float()
-        full = torch.stack([self.vocab.spread(row) for row in logits])
-        if request.sampling.greedy:
-            return Draft(full.argmax(-1).tolist(), source=self.name)
-        probs = torch.stack([request.sampling.probs(row) for row in full])
-        tokens = [int(torch.multinomial(q, 1, generator=request.generator)) for q in probs]
-        return Draft(tokens, probs, source=self.name)
+        state, token, chance = normed.float(), request.committed[-1], 1.0
+        tokens, probs = [], []
+        for j in range(k):
+            state = self.heads.step(state, self._embedded(token), j)
+            logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
+            if greedy:
+                best = int(logits.argmax())
+                token, q = self.vocab.id_at(best), None
+                confidence = float(torch.softmax(logits, -1)[best])
+            else:
+                q = request.sampling.probs(self.vocab.spread(logits))
+                token = int(torch.multinomial(q, 1, generator=request.generator))
+                confidence = float(q.max())
+            chance *= confidence
+            if worth is not None and not worth([*self.last_chances, chance]):
+                break
+            self.last_chances.append(chance)
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+        return Draft(tokens, torch.stack(probs) if probs else None, source=self.name)
+
+    def _embedded(self, token: int) -> torch.Tensor:
+        ids = torch.tensor([token], device=self.runner.device)
+        return token_input(self.runner.adapter.embed(ids))
 
     def learn(self, outcome: RoundOutcome) -> None:
         """After a verify pass: its row ``accepted`` made the next pending token."""

@@ -42,12 +42,15 @@ if [[ $STAGE == all || $STAGE == measure ]]; then
 fi
 if [[ $STAGE == real ]]; then
   # The real 1.5B: its .gguf assembled at $GGUF first (how: search/qwen2.5-coder-1.5b/cuda-h200-real/
-  # README.md). Pass costs, then plain decoding, context drafts and context + head drafts.
+  # README.md). Pass costs, then plain decoding, context drafts, context + head drafts and the
+  # default drafter (context, heads and the committed plan's layer-skip drafts). HEADS: a heads
+  # file to use instead of the shipped one (one just trained by tests/gpu/train_heads.py).
   GGUF=${GGUF:-/tmp/p/model.gguf}
-  python3 -m selfspec.cli profile --model "$GGUF" --device cuda --repeats 20 --json \
-    > "$OUT/profile-real.json" 2>>"$OUT/stderr.log"
-  python3 -m selfspec.cli bench --model "$GGUF" --device cuda --heads selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors \
-    --methods hf_generate,autoregressive,ngram,heads --prompts spec-bench --limit 1 --max-new-tokens 128 \
+  HEADS=${HEADS:-selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors}
+  [[ ${PROFILE:-1} == 1 ]] && python3 -m selfspec.cli profile --model "$GGUF" --device cuda \
+    --repeats 20 --json > "$OUT/profile-real.json" 2>>"$OUT/stderr.log"
+  python3 -m selfspec.cli bench --model "$GGUF" --device cuda --heads "$HEADS" \
+    --methods hf_generate,autoregressive,ngram,heads,self_speculative --prompts spec-bench --limit 1 --max-new-tokens 128 \
     --out /tmp/bench-real 2>>"$OUT/stderr.log" | head -16
   cp /tmp/bench-real/bench.json "$OUT/bench-real.json"
 fi

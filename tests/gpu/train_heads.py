@@ -1,7 +1,8 @@
 """Draft heads for a bundled model, trained on a lent GPU: the self-distillation of
 `selfspec train-heads` (selfspec/headtrain.py: the model writes questions on its topics, answers
-them greedily, each head learns the answer token j + 2 places after a row from that row's final
-hidden state), at a scale the 2-core CPU does not reach in a session. Spec-Bench is never read.
+them greedily, a chain of heads learns the answer tokens 2, 3, ... places after a row from that
+row's final hidden state and the tokens after it), at a scale the 2-core CPU does not reach in a
+session. Spec-Bench is never read.
 
 transformers' own model runs here (bfloat16, batched `generate`), so the answers and hidden
 states are the float model's, not a CPU speed mode's; the heads are measured on the CPU afterwards
@@ -9,6 +10,7 @@ by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue
 answer cut short, no chat template), as prompts do that continue code.
 
     python3 tests/gpu/train_heads.py MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
+        [--answers answers.safetensors]   # an earlier run's answers: train on them, write none
 
 Writes OUT_DIR/heads.safetensors, OUT_DIR/answers.safetensors (every prompt and answer as token
 ids) and OUT_DIR/questions.json, each as soon as it is ready.
@@ -28,7 +30,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from selfspec.headtrain import QUESTION_PROMPT, TOPICS, add_questions, fit_rows  # noqa: E402
+from selfspec.headtrain import (  # noqa: E402
+    QUESTION_PROMPT,
+    TOPICS,
+    add_questions,
+    chain_tokens,
+    fit_rows,
+)
 
 STARTED = time.time()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only to try the script
@@ -76,7 +84,7 @@ def generate(model, prompts, max_new, batch, eos, pad, sample=False, deadline=No
 @torch.inference_mode()
 def features(model, prompts, answers, heads, batch=64):
     """Normed final hidden states of the rows that produced answer tokens [n, hidden] (bfloat16)
-    and the tokens head j should guess from each [heads, n] (-1 past the end)."""
+    and their ``chain_tokens`` [heads + 1, n]."""
     hidden, labels = [], []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(answers[i]))
     for first in range(0, len(order), batch):
@@ -92,9 +100,8 @@ def features(model, prompts, answers, heads, batch=64):
         for i, k in enumerate(order[first : first + batch]):
             seq = group[i]
             rows = torch.arange(len(prompts[k]) - 1, len(seq) - 2)
-            tokens = torch.tensor(seq + [-1] * heads)
             hidden.append(last[i, rows.to(DEVICE)])
-            labels.append(torch.stack([tokens[rows + 2 + j] for j in range(heads)]))
+            labels.append(chain_tokens(seq, rows, heads))
     return hidden, labels, order
 
 
@@ -103,53 +110,25 @@ def cut_for_continuation(answer, rng):
     return answer[: rng.randint(24, min(80, len(answer) - 8))] if len(answer) > 40 else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model_dir")
-    parser.add_argument("gguf_name")
-    parser.add_argument("tokenizer_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--name", default="qwen2.5-coder-1.5b", help="the model's selfspec name")
-    parser.add_argument("--questions", type=int, default=6144)
-    parser.add_argument("--continuations", type=int, default=1024)
-    parser.add_argument("--topics", type=int, default=len(TOPICS))
-    parser.add_argument("--samples-per-topic", type=int, default=12)
-    parser.add_argument("--question-tokens", type=int, default=420)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--generate-seconds", type=float, default=150)
-    args = parser.parse_args()
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    torch.manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = True
+def read_answers(path):
+    """(prompts, answers, continuations) from an earlier run's answers.safetensors."""
+    from safetensors import safe_open
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir,
-        gguf_file=args.gguf_name,
-        dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
-    ).to(DEVICE)
-    model.eval()
-    eos = {
-        tok.eos_token_id,
-        *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
-    }
-    eos.discard(None)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    log(f"loaded: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, eos {eos}")
+    with safe_open(path, "pt") as f:
+        tokens, lengths = f.get_tensor("tokens").tolist(), f.get_tensor("lengths").tolist()
+        continuations_from = int(f.metadata()["continuations_from"])
+    prompts, answers, first = [], [], 0
+    for p, a in lengths:
+        prompts.append(tokens[first : first + p])
+        answers.append(tokens[first + p : first + p + a])
+        first += p + a
+    log(f"{len(answers)} answers read from {path}")
+    return prompts, answers, answers[continuations_from:]
 
-    def chat(text):
-        return tok.apply_chat_template(
-            [{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
 
+def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
+    """Questions written by the model, its answers and raw-text continuations, saved to out_dir:
+    (prompts, answers, continuations)."""
     asks = [
         chat(QUESTION_PROMPT.format(n=15, topic=t)) for t in TOPICS[: args.topics]
     ] * args.samples_per_topic
@@ -183,6 +162,61 @@ def main() -> None:
         metadata={"continuations_from": str(len(answers) - len(more))},
     )
     log(f"{len(answers)} answers ({len(more)} continue raw text), {sum(map(len, answers))} tokens")
+    return prompts, answers, more
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("gguf_name")
+    parser.add_argument("tokenizer_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--name", default="qwen2.5-coder-1.5b", help="the model's selfspec name")
+    parser.add_argument("--questions", type=int, default=6144)
+    parser.add_argument("--continuations", type=int, default=1024)
+    parser.add_argument("--topics", type=int, default=len(TOPICS))
+    parser.add_argument("--samples-per-topic", type=int, default=12)
+    parser.add_argument("--question-tokens", type=int, default=420)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--generate-seconds", type=float, default=150)
+    parser.add_argument("--answers", help="an earlier run's answers.safetensors to train on")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir,
+        gguf_file=args.gguf_name,
+        dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32,
+    ).to(DEVICE)
+    model.eval()
+    eos = {
+        tok.eos_token_id,
+        *(tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")),
+    }
+    eos.discard(None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    log(f"loaded: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, eos {eos}")
+
+    def chat(text):
+        return tok.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+
+    if args.answers:
+        prompts, answers, more = read_answers(args.answers)
+    else:
+        prompts, answers, more = write_answers(model, tok, chat, eos, pad, rng, args, out_dir)
 
     hidden, labels, order = features(model, prompts, answers, args.heads)
     # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them
@@ -195,6 +229,7 @@ def main() -> None:
         torch.cat([hidden[i] for i in test]),
         torch.cat([labels[i] for i in test], dim=1).to(DEVICE),
         out_rows,
+        model.get_input_embeddings().weight,
         args.epochs,
         batch=4096,
     )
