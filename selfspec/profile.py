@@ -1,4 +1,5 @@
-"""Measure what speculation costs: cached forward passes over 1..16 tokens, and a draft step.
+"""Measure what speculation costs: cached forward passes over 1..16 tokens, a layer-skip draft
+step and a draft of the draft heads' guesses.
 
 Speculative decoding pays only when scoring k+1 tokens in one pass costs about one pass,
 and a draft step costs much less than a target step. This prints both, for selfspec's
@@ -11,14 +12,19 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from selfspec.cliargs import (
     add_model_arguments,
     add_plan_arguments,
     check_at_least,
     load_engine,
+    resolve_heads,
     resolve_plan,
 )
+
+if TYPE_CHECKING:
+    from selfspec.drafters.heads import DraftHeads
 
 SIZES = (1, 2, 4, 8, 16)
 
@@ -44,6 +50,12 @@ def add_arguments(parser) -> None:
             "per-token draft acceptance for the best-draft-length estimate (default: the plan's "
             "measured one, else 0.8)"
         ),
+    )
+    parser.add_argument(
+        "--heads",
+        default=None,
+        help="draft heads file whose guesses to time (default: the model's, if any; none: not "
+        "timed)",
     )
     parser.add_argument("--json", action="store_true")
 
@@ -78,7 +90,12 @@ def _interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def profile_engine(
-    engine, plan=None, prefix: int = 200, repeats: int = 9, acceptance: float | None = None
+    engine,
+    plan=None,
+    prefix: int = 200,
+    repeats: int = 9,
+    acceptance: float | None = None,
+    heads: DraftHeads | None = None,
 ) -> dict:
     import torch
     from transformers import DynamicCache
@@ -108,6 +125,8 @@ def profile_engine(
             capture_at=drafter.resume_at,
             vocab=drafter.vocab,
         )
+    if heads is not None:
+        passes["heads"] = _head_draft(runner, heads, prefix_ids.tolist())
     times = _interleaved_ms(passes, repeats)
     forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
 
@@ -148,7 +167,29 @@ def profile_engine(
             acceptance_assumed=alpha,
             **best_draft_length(alpha, draft_ms, forward_ms),
         )
+    if heads is not None:
+        guesses = len(heads)
+        result.update(
+            head_guesses=guesses,
+            head_draft_ms=statistics.median(times["heads"]),
+            head_guess_cost_ratio=statistics.median(
+                h / guesses / f for h, f in zip(times["heads"], times["1"])
+            ),
+        )
     return result
+
+
+def _head_draft(runner, heads: DraftHeads, context: list[int]):
+    """A draft of every head's guess, as the default drafter makes it (from the last pass's final
+    hidden state; the chain not cut short), to time."""
+    from selfspec.drafters.base import DraftRequest, DraftSettings
+    from selfspec.drafters.heads import HeadDrafter
+    from selfspec.sampling import Sampling
+
+    drafter = HeadDrafter(runner, heads)
+    drafter.begin(context, len(context) + 1, DraftSettings())
+    request = DraftRequest(context, len(heads), Sampling(), None)
+    return lambda: drafter.draft(request)
 
 
 def best_draft_length(alpha: float, draft_ms: float, forward_ms: dict) -> dict:
@@ -181,8 +222,15 @@ def run(args) -> int:
     check_at_least("--prefix", args.prefix, 1)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
+    heads = resolve_heads(engine, args)
+    heads = engine.default_heads() if heads is True else heads and engine.load_heads(heads)
     result = profile_engine(
-        engine, plan, prefix=args.prefix, repeats=args.repeats, acceptance=args.acceptance
+        engine,
+        plan,
+        prefix=args.prefix,
+        repeats=args.repeats,
+        acceptance=args.acceptance,
+        heads=heads or None,
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -207,5 +255,11 @@ def run(args) -> int:
             f"at acceptance {result['acceptance_assumed']:.2f}: best draft length "
             f"{result['best_draft_length']}, "
             f"predicted speedup {result['predicted_speedup']:.2f}x"
+        )
+    if "head_draft_ms" in result:
+        print(
+            f"head draft ({result['head_guesses']} chained guesses): "
+            f"{result['head_draft_ms']:.1f} ms = {result['head_guess_cost_ratio']:.3f} of a full "
+            "step per guess"
         )
     return 0

@@ -154,6 +154,12 @@ CLI_ROWS = [
         "does not exist",
     ),
     (
+        "profile missing heads file",
+        lambda t: ["profile", *M, "--heads", str(t / "absent.safetensors")],
+        None,
+        "does not exist",
+    ),
+    (
         "unknown option",
         ["generate", "hi", "--tokens", "5"],
         None,

@@ -427,3 +427,15 @@ def test_profile_times_every_pass_size_and_the_draft_step_in_turn(smollm2):
     assert all(ms > 0 for ms in result["forward_ms"].values())
     assert result["draft_step_ms"] > 0 and 0 < result["draft_cost_ratio"] < 5
     assert result["acceptance_assumed"] == 0.7 and 0 <= result["best_draft_length"] < 16
+    assert "head_draft_ms" not in result  # no heads given
+
+
+def test_profile_times_a_draft_of_every_head_guess(smollm2):
+    from selfspec.drafters.heads import DraftHeads
+    from selfspec.profile import profile_engine
+
+    size = smollm2.loaded.model.config.hidden_size
+    heads = DraftHeads([torch.zeros(size, 2 * size)] * 3, [torch.zeros(size)] * 3, {})
+    result = profile_engine(smollm2, None, prefix=16, repeats=3, heads=heads)
+    assert result["head_guesses"] == 3 and result["head_draft_ms"] > 0
+    assert 0 < result["head_guess_cost_ratio"] < 5
