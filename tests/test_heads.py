@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_sampling import assert_keeps_target_distribution, drafted_second_token_counts
 
-from selfspec.drafters.base import DraftRequest, DraftSettings
+from selfspec.drafters.adaptive import AdaptiveDrafter
+from selfspec.drafters.base import DraftRequest, DraftSettings, RoundOutcome
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.errors import SelfSpecError
 from selfspec.headtrain import train_heads
@@ -115,6 +116,27 @@ def test_a_chain_of_guesses_stops_at_the_first_not_worth_proposing(smollm2, trai
     assert draft.tokens == full.tokens[:1] and len(drafter.last_chances) == 1
     assert 1 >= seen[1][0] >= seen[1][1] > 0  # asked about guess 2 with both chances
     assert drafter.draft(request, lambda chances: False).tokens == []
+
+
+def test_head_drafts_believed_unprofitable_are_tried_one_guess_at_a_time(smollm2, trained):
+    """Where head drafts look too slow to pay, a probe still drafts one guess, whatever its
+    chance: the stopping rule that judges longer drafts uses the same costs, and a probe it
+    could refuse would never correct them."""
+    runner = smollm2.runner
+    prompt = smollm2.encode("A short note about apples")
+    runner.reset(len(prompt) + 8)
+    runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
+    drafter = AdaptiveDrafter(runner.head_rows, heads=HeadDrafter(runner, trained[0]))
+    drafter.begin(prompt, len(prompt) + 8, DraftSettings(fallback=False))
+    drafter.observe(RoundOutcome(0, 0, 0.0, 0.100))
+    lengths = []
+    for _ in range(48):
+        draft = drafter.draft(DraftRequest(prompt + [7], 4, Sampling(), None))
+        lengths.append(len(draft.tokens))
+        # a head round timed at ten plain steps of drafting, nothing kept; plain rounds else
+        drafter.observe(RoundOutcome(len(draft.tokens), 0, len(draft.tokens), 0.1, draft.source))
+    # the first round trusts the heads' held-out figures; then one-guess probes every 16 rounds
+    assert 2 <= sum(n > 0 for n in lengths[1:]) <= 3 and set(lengths[1:]) <= {0, 1}
 
 
 @pytest.mark.slow

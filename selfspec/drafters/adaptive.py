@@ -352,6 +352,10 @@ class AdaptiveDrafter(Drafter):
             k = 0
         if not self._or_probe("heads", k):
             return Draft()
+        if not k:  # a probe: one guess whatever its chance, so that it measures something
+            return self.heads.draft(
+                DraftRequest(request.committed, 1, request.sampling, request.generator)
+            )
         sub = DraftRequest(request.committed, limit, request.sampling, request.generator)
         return self.heads.draft(sub, self._head_worth(step))
 
@@ -439,7 +443,8 @@ class AdaptiveDrafter(Drafter):
             self.head_acceptance.record(outcome.drafted, outcome.accepted)
             self.head_calibration.record(sum(self.heads.last_chances), outcome.accepted)
             if self.costs.plain:
-                self.head_step.add(outcome.draft_seconds / outcome.drafted / self.costs.plain)
+                steps = self.heads.last_steps  # guesses made, the one cut off included
+                self.head_step.add(outcome.draft_seconds / steps / self.costs.plain)
         elif outcome.source == "layer_skip":
             self.skip.record(outcome.drafted, outcome.accepted)
             self.layer_skip.observe(outcome)

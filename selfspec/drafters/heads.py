@@ -10,7 +10,7 @@ only weights here that the target lacks; they are trained on the target's own an
 (``selfspec.headtrain``), never on the prompts bench measures.
 
     s_0 = final_norm(h_i);  y_0 = x
-    s_j+1 = s_j + silu(W_j [s_j ; e(y_j)] + b_j);  y_j+1 = argmax output_head(s_j+1)
+    s_j+1 = s_j + silu(W_j [s_j ; e(y_j)] + b_j);  y_j+1 = argmax output_head(s_j+1) (greedy)
 
 e(y) is the model's input embedding of y scaled to unit RMS. A guess only counts while every guess
 before it was right, and then the chain was fed the true tokens: training feeds the true tokens
@@ -50,7 +50,7 @@ def head_step(state, token, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
     """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], the product in W's dtype.
     ``token`` is ``token_input`` of the token before the guess. Training
     (``selfspec.headtrain``) and drafting both go through here."""
-    both = torch.cat([state, token.to(state.dtype)], dim=-1)
+    both = torch.cat([state, token.to(state.device, state.dtype)], dim=-1)
     return state + F.silu(F.linear(both.to(weight.dtype), weight, bias)).to(state.dtype)
 
 
@@ -171,7 +171,7 @@ class HeadDrafter(Drafter):
         not worth it ends the draft. ``last_chances`` keeps the proposed guesses' chances."""
         k = min(request.max_tokens, len(self.heads))
         hidden = self._pending_row()
-        self.last_chances = []
+        self.last_chances, self.last_steps = [], 0
         if k <= 0 or hidden is None:
             return Draft()
         self.vocab.follow(request.committed)
@@ -180,6 +180,7 @@ class HeadDrafter(Drafter):
         state, token, chance = normed.float(), request.committed[-1], 1.0
         tokens, probs = [], []
         for j in range(k):
+            self.last_steps += 1
             state = self.heads.step(state, self._embedded(token), j)
             logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
             if greedy:

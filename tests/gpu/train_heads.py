@@ -222,14 +222,14 @@ def main() -> None:
     # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them
     test = [i for i, k in enumerate(order) if k % 20 == 0]
     train = [i for i, k in enumerate(order) if k % 20 != 0]
-    out_rows = model.get_output_embeddings().weight[:32768].float()
+    out_rows = model.get_output_embeddings().weight[:32768].detach().float()
     heads = fit_rows(
         torch.cat([hidden[i] for i in train]),
         torch.cat([labels[i] for i in train], dim=1).to(DEVICE),
         torch.cat([hidden[i] for i in test]),
         torch.cat([labels[i] for i in test], dim=1).to(DEVICE),
         out_rows,
-        model.get_input_embeddings().weight,
+        model.get_input_embeddings().weight.detach(),
         args.epochs,
         batch=4096,
     )
