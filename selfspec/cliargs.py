@@ -18,6 +18,7 @@ from selfspec.speed import SPEED_MODES
 if TYPE_CHECKING:
     import torch
 
+    from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
     from selfspec.plan import SkipPlan
 
@@ -117,13 +118,11 @@ def read_prompt(arg: str | None) -> str:
     return text
 
 
-def resolve_heads(engine: Engine, args: argparse.Namespace) -> bool | str:
-    """--heads as ``Engine.self_drafter`` takes it: True (the model's own), a file (read now, so a
-    missing or unreadable one is said before any work), or False for "none"."""
+def resolve_heads(engine: Engine, args: argparse.Namespace) -> bool | DraftHeads:
+    """--heads as ``Engine.self_drafter`` takes it: True (the model's own), a file's heads (read
+    now, once, so a missing or unreadable one is said before any work), or False for "none"."""
     heads = {None: True, "none": False}.get(args.heads, args.heads)
-    if isinstance(heads, str):
-        engine.load_heads(heads)
-    return heads
+    return engine.load_heads(heads) if isinstance(heads, str) else heads
 
 
 def resolve_plan(engine: Engine, args: argparse.Namespace) -> SkipPlan | None:

@@ -133,11 +133,15 @@ class Engine:
         return build_plan(self.identity, skip_attention, skip_mlp, policy, provenance)
 
     def self_drafter(
-        self, plan: SkipPlan | None = None, layer_skip: bool = True, heads: bool | str = True
+        self,
+        plan: SkipPlan | None = None,
+        layer_skip: bool = True,
+        heads: bool | str | DraftHeads = True,
     ) -> AdaptiveDrafter:
         """The default drafter: context n-gram drafts, draft heads (``heads``: the model's own if
-        True, a file's, or none if False) and layer-skip drafts with ``plan`` (default: the model's
-        plan, if it has one) where they pay, chosen round by round from measured costs.
+        True, a file's, loaded ones, or none if False) and layer-skip drafts with ``plan``
+        (default: the model's plan, if it has one) where they pay, chosen round by round from
+        measured costs.
         ``layer_skip=False``: no layer-skip drafts. Works without any plan or heads."""
         skipper = None
         if layer_skip:
@@ -145,7 +149,7 @@ class Engine:
             skipper = self.layer_skip_drafter(plan) if plan is not None else None
         head_drafter = None
         if heads:
-            found = self.default_heads() if heads is True else self.load_heads(heads)
+            found = self.resolve_heads(heads)
             head_drafter = HeadDrafter(self.runner, found, self.eos_ids()) if found else None
         return AdaptiveDrafter(self.runner.head_rows, skipper, heads=head_drafter)
 
@@ -153,6 +157,15 @@ class Engine:
         """The draft heads trained for this model (``selfspec train-heads``), if any."""
         path = find_heads(self.loaded.name)
         return self.load_heads(path) if path is not None else None
+
+    def resolve_heads(self, heads: bool | str | DraftHeads) -> DraftHeads | None:
+        """Draft heads as ``self_drafter`` takes them: True (the model's own, if any), a file,
+        loaded heads, or False (none)."""
+        if isinstance(heads, DraftHeads):
+            return heads
+        if heads is True:
+            return self.default_heads()
+        return self.load_heads(heads) if heads else None
 
     def load_heads(self, path) -> DraftHeads:
         return DraftHeads.load(path, hidden_size=self.loaded.model.config.hidden_size)

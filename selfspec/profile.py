@@ -222,15 +222,14 @@ def run(args) -> int:
     check_at_least("--prefix", args.prefix, 1)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
-    heads = resolve_heads(engine, args)
-    heads = engine.default_heads() if heads is True else heads and engine.load_heads(heads)
+    heads = engine.resolve_heads(resolve_heads(engine, args))
     result = profile_engine(
         engine,
         plan,
         prefix=args.prefix,
         repeats=args.repeats,
         acceptance=args.acceptance,
-        heads=heads or None,
+        heads=heads,
     )
     if args.json:
         print(json.dumps(result, indent=2))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from selfspec.decode import DecodeStats
     from selfspec.drafters import Drafter
+    from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
     from selfspec.models import LoadedModel
     from selfspec.plan import SkipPlan
@@ -58,7 +59,7 @@ class BenchContext:
     hf_target: LoadedModel | None = None
     hf_draft: LoadedModel | None = None
     threads: int | None = None  # llama_cpp's threads (None: torch's, which selfspec runs with)
-    heads: bool | str = True  # draft heads: the model's (True), a file's, or none (False)
+    heads: bool | str | DraftHeads = True  # draft heads: the model's (True), a file's, or none
     state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
 
 

@@ -31,6 +31,7 @@ from selfspec.models import LoadedModel
 from selfspec.prompts import Prompt
 
 if TYPE_CHECKING:
+    from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
     from selfspec.plan import SkipPlan
 
@@ -339,7 +340,7 @@ def run_bench(
     methods=None,
     *,
     plan: SkipPlan | None = None,
-    heads: bool | str = True,
+    heads: bool | str | DraftHeads = True,
     draft=None,
     max_new_tokens: int = 64,
     repeats: int = 1,
