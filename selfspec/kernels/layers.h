@@ -159,7 +159,7 @@ struct DecoderLayer {
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
     at::parallel_for(0, M * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores, best(group);
+      std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t m = t / kv_heads, hk = t % kv_heads, L = starts[m] + 1;
         scores.resize(group * L);
@@ -168,12 +168,14 @@ struct DecoderLayer {
         const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
         attend_group(qp + first, D, group, kc.data_ptr<float>() + hk * kc.stride(0), kc.stride(1),
                      vc.data_ptr<float>() + hk * vc.stride(0), vc.stride(1), D, L, fscale,
-                     [](int64_t, int64_t, float s) { return s; }, scores.data(), best.data(), op + first);
+                     [](int64_t, int64_t, float s) { return s; }, scores.data(), op + first);
       }
     });
     return h + o.forward(out);
   }
 
+  // Each task takes one key-value head and a run of rows: all their grouped query heads read each
+  // key and value once (attend_queries), however many rows the pass has.
   void attend(const torch::Tensor& qs, const torch::Tensor& keys, const torch::Tensor& values, int64_t start,
               const torch::Tensor& mask, torch::Tensor& out) const {
     const int64_t M = qs.size(0), D = head_dim, L = start + M, group = heads / kv_heads;
@@ -183,17 +185,32 @@ struct DecoderLayer {
     const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
-    at::parallel_for(0, M * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(group * L), best(group);
+    const int64_t runs = std::min<int64_t>(M, std::max<int64_t>(1, at::get_num_threads() / kv_heads));
+    const int64_t run_rows = (M + runs - 1) / runs;
+    at::parallel_for(0, runs * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<QueryRow> rows;
+      std::vector<float> scores;
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t m = t / kv_heads, hk = t % kv_heads;
-        const bool* row = mp ? mp + m * L : nullptr;
-        // without a mask, row m sees keys 0..start+m: the later ones would only be skipped
-        const int64_t seen = row ? L : start + m + 1;
-        auto hide = [&](int64_t, int64_t j, float s) { return row && !row[j] ? -INFINITY : s; };
-        const int64_t first = (m * heads + hk * group) * D;  // this group's query heads, one after another
-        attend_group(qp + first, D, group, kp + hk * keys.stride(0), keys.stride(1), vp + hk * values.stride(0),
-                     values.stride(1), D, seen, fscale, hide, scores.data(), best.data(), op + first);
+        const int64_t hk = t % kv_heads, m0 = t / kv_heads * run_rows, m1 = std::min(M, m0 + run_rows);
+        rows.clear();
+        int64_t width = 0;
+        for (int64_t m = m0; m < m1; ++m) {
+          // row m sees keys 0..start+m without a mask, else those its mask row allows (none after
+          // the last it allows: those are not even scored)
+          int64_t seen = start + m + 1;
+          if (mp) for (seen = L; seen > 0 && !mp[m * L + seen - 1];) --seen;
+          width = std::max(width, seen);
+          for (int64_t h = 0; h < group; ++h) {
+            const int64_t at = (m * heads + hk * group + h) * D;
+            rows.push_back({qp + at, op + at, seen});
+          }
+        }
+        scores.resize(rows.size() * width);
+        auto hide = [&](int64_t i, int64_t j, float s) {
+          return mp && !mp[(m0 + i / group) * L + j] ? -INFINITY : s;
+        };
+        attend_queries(rows.data(), static_cast<int64_t>(rows.size()), kp + hk * keys.stride(0), keys.stride(1),
+                       vp + hk * values.stride(0), values.stride(1), D, fscale, hide, scores.data());
       }
     });
   }

@@ -1,7 +1,7 @@
 // selfspec's CPU kernel, compiled for the machine on first use (selfspec/kernels/__init__.py):
 //   linear.h     float32 and quantized panels, few rows at a time, rows independent of each other
 //   q8.h         the GGUF file's integers times activations rounded to 8 bits (speed mode gguf-q8)
-//   attention.h  attention one query row at a time
+//   attention.h  attention, each query row's bits its own (rows read the keys together)
 //   ops.h        the entry points torch calls
 //   layers.h     a whole pre-norm decoder sublayer (norm, projections, rotary, attention, MLP) per call
 #include "layers.h"

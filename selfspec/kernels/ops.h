@@ -119,7 +119,7 @@ inline torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Ten
   const float fscale = static_cast<float>(scale);
   // one task per (batch, key-value head, row): the query heads sharing a key-value head together
   at::parallel_for(0, B * Hkv * M, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(group * L), best(group);
+    std::vector<float> scores(group * L);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / (Hkv * M), hk = t / M % Hkv, i = t % M, h0 = hk * group;
       const float* qi = qp + b * q.stride(0) + h0 * q.stride(1) + i * q.stride(2);
@@ -132,7 +132,7 @@ inline torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Ten
         return mask_bool ? (mask_bool[at] ? s : -INFINITY) : mask_float ? s + mask_float[at] : s;
       };
       attend_group(qi, q.stride(1), group, kh, k.stride(2), vh, v.stride(2), D, visible, fscale, masked,
-                   scores.data(), best.data(), op + ((b * M + i) * Hq + h0) * D);
+                   scores.data(), op + ((b * M + i) * Hq + h0) * D);
     }
   });
   return out;
