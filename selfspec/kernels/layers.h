@@ -222,8 +222,18 @@ struct DecoderLayer {
     torch::Tensor g = gate.forward(x, r), u = up.forward(x, r);
     float* gp = g.data_ptr<float>();
     const float* upp = u.data_ptr<float>();
-    at::parallel_for(0, g.numel(), 4096, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) gp[i] = gp[i] / (1.0f + std::exp(-gp[i])) * upp[i];
+    const int64_t n = g.numel();
+    at::parallel_for(0, (n + kVec - 1) / kVec, 4096 / kVec, [&](int64_t b0, int64_t b1) {
+      for (int64_t i = b0 * kVec; i < std::min(n, b1 * kVec); i += kVec) {
+        if (i + kVec <= n) {
+          vstore(gp + i, silu_times(vload(gp + i), vload(upp + i)));
+          continue;
+        }
+        alignas(64) float gs[kVec] = {}, us[kVec] = {};  // the last few, padded with zeros
+        for (int64_t t = 0; i + t < n; ++t) gs[t] = gp[i + t], us[t] = upp[i + t];
+        vstore(gs, silu_times(vload(gs), vload(us)));
+        for (int64_t t = 0; i + t < n; ++t) gp[i + t] = gs[t];
+      }
     });
     return h + down.forward(g);
   }

@@ -98,4 +98,18 @@ inline vec vexp_nonpositive(vec x) {
   return vkeep_at_least(x, lowest, vmul(e, vpow2(n)));
 }
 
+// silu(g) * u = g * sigmoid(g) * u, lane by lane, with e = exp(-|g|) (never overflows):
+// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below.
+inline vec silu_times(vec g, vec u) {
+  const vec e = vexp_nonpositive(vneg(vmax(g, vneg(g))));
+  const vec one = vset1(1.0f);
+#if defined(__AVX512F__)
+  const vec top = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, vzero(), _CMP_GE_OQ), e, one);
+  return vmul(vmul(g, _mm512_div_ps(top, vadd(one, e))), u);
+#else
+  const vec top = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, vzero(), _CMP_GE_OQ));
+  return vmul(vmul(g, _mm256_div_ps(top, vadd(one, e))), u);
+#endif
+}
+
 }  // namespace selfspec
