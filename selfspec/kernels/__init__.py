@@ -8,7 +8,7 @@ source, the CPU's flags and the torch version. It provides:
 - ``packed_linear`` / ``quant_linear`` / ``q8_linear``: a linear layer over few rows, weights in
   16-wide column panels (float32, or the GGUF file's integers), each row summed in a fixed order
   so that row r of a pass over m rows is bit for bit a pass over that row alone;
-- ``attention_rows``: attention one query row at a time, for the same reason;
+- ``attention_rows``: attention with each query row's arithmetic its own, for the same reason;
 - ``DecoderLayer``: a whole pre-norm decoder sublayer (norm, projections, rotary embedding,
   attention; or the MLP) in one call, row by row in the same way (``selfspec.fused``).
 
@@ -216,7 +216,7 @@ def linear_outputs(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tens
 def _attention_by_rows(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """Attention for the kernel speed modes: one query row at a time in a fixed order
+    """Attention for the kernel speed modes: each query row in a fixed order of its own
     (``attention_rows``), so a verify pass gives every row the bits a one-token pass gives, and
     grouped key/value heads are read in place. Features it does not cover (dropout, soft-capping,
     position bias, paged caches) go to transformers' SDPA."""

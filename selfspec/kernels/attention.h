@@ -152,6 +152,9 @@ inline void weigh_queries(const float* const* p, float* const* out, const float*
                           int64_t width) {
   int64_t c0 = 0;
   for (; c0 + kValueVecs * kVec <= D; c0 += kValueVecs * kVec) weigh_block<NQ, kValueVecs>(p, out, v, v_stride, c0, width);
+  if constexpr (kValueVecs > 4)
+    for (; c0 + 4 * kVec <= D; c0 += 4 * kVec) weigh_block<NQ, 4>(p, out, v, v_stride, c0, width);
+  for (; c0 + 2 * kVec <= D; c0 += 2 * kVec) weigh_block<NQ, 2>(p, out, v, v_stride, c0, width);
   for (; c0 + kVec <= D; c0 += kVec) weigh_block<NQ, 1>(p, out, v, v_stride, c0, width);
   for (; c0 < D; ++c0)
     for (int i = 0; i < NQ; ++i) {
@@ -195,8 +198,9 @@ inline void attend_queries(const QueryRow* rows, int64_t n, const float* k, int6
     else if (count == 2) weigh_queries<2>(p, out, v, v_stride, D, reach);
     else weigh_queries<1>(p, out, v, v_stride, D, reach);
   }
+  // + 0: a sum of nothing but zero products is +0 whether or not hidden keys' zeros were added
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; ++d) rows[i].out[d] *= inv[i];
+    for (int64_t d = 0; d < D; ++d) rows[i].out[d] = rows[i].out[d] * inv[i] + 0.0f;
 }
 
 // One query row of attention for each of the G heads that share a key-value head (head h's query

@@ -185,8 +185,8 @@ struct DecoderLayer {
     const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
-    const int64_t runs = std::min<int64_t>(M, std::max<int64_t>(1, at::get_num_threads() / kv_heads));
-    const int64_t run_rows = (M + runs - 1) / runs;
+    const int64_t wanted = std::min<int64_t>(M, std::max<int64_t>(1, at::get_num_threads() / kv_heads));
+    const int64_t run_rows = (M + wanted - 1) / wanted, runs = (M + run_rows - 1) / run_rows;
     at::parallel_for(0, runs * kv_heads, 1, [&](int64_t t0, int64_t t1) {
       std::vector<QueryRow> rows;
       std::vector<float> scores;

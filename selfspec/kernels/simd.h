@@ -81,7 +81,7 @@ inline void nibbles_to_vec(const uint8_t* p, vec& lo, vec& hi) {
 
 // exp(x) for x <= 0 (a score minus the largest score of its row; -INFINITY for a hidden key),
 // Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) = 1 + r + r^2 P(r), times 2^n; 0 below
-// -87.3 (where expf is 0 or subnormal). A lane's result depends on that lane's x only.
+// -87.3 (where expf is 0 or subnormal) and for NaN. A lane's result depends on that lane's x only.
 inline vec vexp_nonpositive(vec x) {
   const vec lowest = vset1(-87.3f);
   const vec xc = vmax(x, lowest);
