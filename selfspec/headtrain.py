@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from selfspec.drafters.heads import DraftHeads, head_step, token_input
+from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, head_step, token_input
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
@@ -254,7 +254,18 @@ def fit_rows(hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch
         "heldout_top1_by_head": [round(t, 4) for t in top1],
         "heldout_top1": round(top1[0], 4),
     }
-    return DraftHeads([w.detach().cpu() for w in weights], [b.detach().cpu() for b in biases], info)
+    frequent = frequent_ids(tokens[1], embed.shape[0])
+    return DraftHeads(
+        [w.detach().cpu() for w in weights], [b.detach().cpu() for b in biases], info, frequent
+    )
+
+
+def frequent_ids(tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS) -> torch.Tensor:
+    """Up to ``count`` token ids, those ``tokens`` (-1: none) holds most often first (ties: lower id
+    first), then the lowest ids it lacks."""
+    seen = torch.bincount(tokens[tokens >= 0].cpu().long(), minlength=vocab)[:vocab]
+    order = torch.sort(-seen, stable=True).indices  # by count, ids in order within a count
+    return order[:count].clone()
 
 
 def _chain(hidden, tokens, weights, biases, out, embed):

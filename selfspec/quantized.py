@@ -30,7 +30,7 @@ from torch import nn
 from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
 from selfspec.gguffile import gguf_tensors
-from selfspec.kernels import PANEL, in_row_chunks, pack_weight
+from selfspec.kernels import PANEL, in_row_chunks, pack_weight, padded_rows
 
 NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
@@ -242,6 +242,8 @@ class QuantLinear(nn.Module):
     reads_prefix = True  # forward(x, out_features) reads only the first outputs' weights
 
     vnni = False  # the arrangement of each group's integers (see pack)
+    # (GGUF tensor, row order or None) the weights were read from: where rows_module reads rows
+    source: tuple | None = None
 
     def __init__(
         self,
@@ -280,6 +282,18 @@ class QuantLinear(nn.Module):
         out_features, in_features = decoded.q.shape
         panels, format, group = cls.lay_out(decoded, kernel)
         return cls(in_features, out_features, panels, (format, group, type_name), bias, kernel)
+
+    def rows_module(self, ids: torch.Tensor) -> QuantLinear | None:
+        """A module of this kind over output rows ``ids`` only (padded: ``padded_rows``), read
+        from the file again; None when the module does not know its file."""
+        if self.source is None:
+            return None
+        tensor, order = self.source
+        ids = padded_rows(ids)
+        rows = ids.numpy() if order is None else np.asarray(order)[ids.numpy()]
+        decoded = decode(np.array(tensor.data[rows]), tensor.type_name, len(rows))
+        bias = self.bias[ids] if self.bias is not None else None
+        return type(self).from_decoded(decoded, self.type_name, bias, self.kernel)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """Panels [first, last) as float32 [P, K, 16], the layout of the packed mode."""
@@ -322,6 +336,20 @@ class Q8Linear(QuantLinear):
     bits)."""
 
     vnni = True
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> Q8Linear:
+        """``weight`` [N, K] rounded as a Q8_0 file holds it (per 32 inputs, a scale of their
+        largest magnitude / 127 and integers in [-127, 127]; the scale kept in float32)."""
+        w = weight.detach().float().cpu().numpy()
+        n, k = w.shape
+        blocks = w.reshape(n, k // 32, 32)
+        scale = (np.abs(blocks).max(-1) / 127).astype(np.float32)
+        inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+        q = np.clip(np.rint(blocks * inverse[..., None]), -127, 127).astype(np.int8)
+        decoded = Decoded(q.reshape(n, k), scale, None, 32, BYTES)
+        bias = None if bias is None else bias.detach().float().cpu().contiguous()
+        return cls.from_decoded(decoded, "Q8_0", bias, kernel)
 
     def dequantized_panels(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         raise NotImplementedError("gguf-q8 panels are arranged for integer dot products")

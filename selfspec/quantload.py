@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.gguffile import GGUFFile, GGUFTensor, read_gguf
@@ -95,11 +96,13 @@ def load_quantized(
     _fill_float_tensors(model, gguf, skip={name for _, name, _ in sources} | {"token_embd.weight"})
     cls = Q8Linear if mode == "gguf-q8" else QuantLinear
     panels = _panels(Path(folder), mode, model, sources, cls)
-    for module_name, _, _ in sources:
+    adapter = adapter_for(model)
+    for module_name, gguf_name, tensor in sources:
         linear = model.get_submodule(module_name)
         data, layout = panels[module_name]
         bias = linear.bias.detach() if linear.bias is not None else None
         quant = cls(linear.in_features, linear.out_features, data, layout, bias, kernel)
+        quant.source = (tensor, adapter.gguf_row_order(gguf_name, tensor.rows))
         swap_module(model, module_name, quant)
     _swap_embedding(model, gguf)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -170,8 +173,6 @@ def _hf_processor(model: nn.Module, gguf: GGUFFile, name_map: dict):
 def _own_processor(model: nn.Module):
     """The fused families' one fix, for selfspec's own skeleton: llama's q/k rows (a bias here:
     the weights are quantized) back in the model's order."""
-    from selfspec.adapters import adapter_for
-
     adapter = adapter_for(model)
 
     def process(weights: np.ndarray, name: str) -> tuple:

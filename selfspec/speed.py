@@ -48,6 +48,7 @@ from selfspec.kernels import (
     in_row_chunks,
     load_kernel,
     pack_weight,
+    padded_rows,
     use_row_attention,
 )
 
@@ -105,6 +106,15 @@ class PackedLinear(nn.Module):
     def run_panels(self, rows: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         """rows [M, in_features] times ``weight`` (some of this layer's panels) + ``bias``."""
         return in_row_chunks(lambda chunk: self.kernel.packed_linear(chunk, weight, bias), rows)
+
+    def rows_module(self, ids: torch.Tensor) -> PackedLinear:
+        """A module of output rows ``ids`` only (padded: ``padded_rows``)."""
+        ids = padded_rows(ids)
+        rows = nn.Linear(self.in_features, len(ids), bias=self.bias is not None)
+        rows.weight.data = self.packed_weight[ids // PANEL, :, ids % PANEL]  # [len(ids), K]
+        if self.bias is not None:
+            rows.bias.data = self.bias[ids]
+        return PackedLinear(rows, self.kernel)
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:
         """``out_features``: compute only the first outputs (a multiple of 64), reading only their

@@ -9,9 +9,9 @@ from test_sampling import assert_keeps_target_distribution, drafted_second_token
 
 from selfspec.drafters.adaptive import AdaptiveDrafter
 from selfspec.drafters.base import DraftRequest, DraftSettings, RoundOutcome
-from selfspec.drafters.heads import DraftHeads, HeadDrafter
+from selfspec.drafters.heads import DraftHeads, HeadDrafter, fastest_products
 from selfspec.errors import SelfSpecError
-from selfspec.headtrain import train_heads
+from selfspec.headtrain import frequent_ids, train_heads
 from selfspec.sampling import Sampling
 
 
@@ -28,6 +28,13 @@ def test_heads_file_round_trip_and_clear_errors(tmp_path):
     heads.save(path)
     back = DraftHeads.load(path, hidden_size=16)
     assert len(back) == 2 and back.vocab_prefix == 32
+    assert back.frequent is None and back.draft_vocab(100) == 32  # files from before frequencies
+    heads.frequent = frequent_ids(torch.tensor([9, 4, 9, -1, 4, 9, 2]), 12)
+    assert heads.frequent.tolist()[:6] == [9, 4, 2, 0, 1, 3]  # by count, then the lowest ids
+    heads.save(path)
+    back = DraftHeads.load(path, hidden_size=16)
+    assert torch.equal(back.frequent, heads.frequent)
+    assert back.draft_vocab(9).tolist() == [4, 2, 0, 1, 3, 5, 6, 7, 8]  # ids past the vocabulary go
     for a, b in zip(heads.weights + heads.biases, back.weights + back.biases):
         assert torch.allclose(a, b, atol=1e-2)  # stored as float16
     with pytest.raises(SelfSpecError, match="hidden size 16, this model has 64"):
@@ -158,3 +165,23 @@ def test_head_drafts_on_the_fixed_shape_runner_cuda_uses(smollm2_packed, trained
             assert rounds > 0 and drafted > 0
     finally:
         engine.runner = runner
+
+
+def test_head_products_in_8_bits_stay_close_to_float32():
+    """Where the kernel is loaded, a head's product may run with its weights rounded to 8 bits
+    (Q8_0's rounding): its output stays within that rounding of float32's, whichever arithmetic
+    the timing picks."""
+    from selfspec.kernels import load_kernel
+    from selfspec.quantized import Q8Linear
+
+    heads = random_heads(64, 2, 40)
+    kernel = load_kernel()  # the kernel's modes are what selfspec runs on CPUs (tested there)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    exact = torch.nn.functional.linear(x, heads.weights[0], heads.biases[0])
+    rounded = Q8Linear.from_float(heads.weights[0], heads.biases[0], kernel)(x)
+    error = (rounded - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 0.02  # rounded, but only by 8-bit steps
+    products = fastest_products(heads, torch.device("cpu"))
+    for product, weight, bias in zip(products, heads.weights, heads.biases):
+        exact = torch.nn.functional.linear(x, weight, bias)
+        assert torch.allclose(product(x).float(), exact, atol=0.05 * float(exact.abs().max()))

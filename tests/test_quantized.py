@@ -319,6 +319,38 @@ def test_gguf_modes_have_their_own_default_plans():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["torch", "packed", "gguf", "gguf-q8"])
+def test_draft_vocab_of_given_ids_reads_only_their_rows_with_the_full_head_s_bits(mode, request):
+    """A draft vocabulary of given ids (the most frequent, scattered over the vocabulary), plus
+    the context's: every id gets the full head's logits (bit for bit in the kernel's modes), from
+    a head holding only those rows, and ``id_at`` / ``spread`` put them back where they belong."""
+    from selfspec.drafthead import DraftVocab
+    from selfspec.kernels import PANEL, load_kernel
+
+    fixture = {"torch": "qwen05", "packed": "qwen05_packed", "gguf": "qwen05_gguf"}
+    engine = request.getfixturevalue(fixture.get(mode, "qwen05_q8"))
+    head, rows = engine.loaded.model.lm_head, engine.runner.head_rows
+    base = torch.randperm(rows, generator=torch.Generator().manual_seed(1))[:300]
+    vocab = DraftVocab(base.tolist(), rows, always=engine.eos_ids())
+    context = [int(base[0]), 7, int(base[5]), 70000]
+    vocab.follow(context)
+    assert vocab.extra == [t for t in [*engine.eos_ids(), 7, 70000] if t not in set(base.tolist())]
+    x = torch.randn(2, head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full, part = head(x), vocab.logits(head, x)
+    ids = torch.tensor(vocab.base_ids + vocab.extra)
+    same = torch.equal if mode != "torch" else lambda a, b: torch.allclose(a, b, atol=1e-5)
+    assert same(part, full[:, ids])
+    assert [vocab.id_at(i) for i in range(len(ids))] == ids.tolist()
+    spread = vocab.spread(part[0])
+    assert same(spread[ids], full[0, ids]) and int(torch.isinf(spread).sum()) == rows - len(ids)
+    if mode != "torch":  # the base ids' rows in a module of their own, not their panels copied
+        compact = head.rows_module(base)
+        group = PANEL * load_kernel().panels_per_group()
+        assert compact.out_features == -(-300 // group) * group < rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["torch", "packed", "gguf", "gguf-q8"])
 def test_draft_head_scores_context_ids_with_the_full_head_s_bits(mode, request):
     """A draft head over the first ids plus the ids the context used (and the stop tokens): those
     ids get the full head's logits (bit for bit in the kernel's modes), every other id -inf; a

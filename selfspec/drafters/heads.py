@@ -33,11 +33,18 @@ from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, 
 from selfspec.drafthead import DraftVocab
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
+from selfspec.kernels import PANEL
 
 if TYPE_CHECKING:
     from selfspec.runner import ModelRunner
 
 FORMAT = "selfspec-draft-heads/2"
+# Ids a head draft scores (besides the context's): in the answers the shipped heads were trained
+# on, the 16384 most frequent cover as many tokens as the first 32768 ids.
+FREQUENT_IDS = 16384
+_KEPT_INPUTS = 4096  # token inputs a drafter keeps (6 KB each at hidden size 1536)
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # x [..., 2 * hidden] -> W x + b [..., hidden]
 
 
 def token_input(embedded: torch.Tensor) -> torch.Tensor:
@@ -56,11 +63,14 @@ def head_step(state, token, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
 
 @dataclass
 class DraftHeads:
-    """Head j: weight [hidden, 2 * hidden] and bias [hidden], float32."""
+    """Head j: weight [hidden, 2 * hidden] and bias [hidden], float32. ``frequent``: token ids by
+    how often the training answers used them, most first (None in files from before it): the ids
+    a draft scores."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor]
     info: dict  # model, vocab_prefix, training figures: what ``describe`` and the CLI report
+    frequent: torch.Tensor | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -73,6 +83,13 @@ class DraftHeads:
     def __len__(self) -> int:
         return len(self.weights)
 
+    def draft_vocab(self, size: int) -> int | torch.Tensor:
+        """The base of the ids a draft scores in a ``size``-id vocabulary: the ``FREQUENT_IDS``
+        most frequent ids, or (no frequencies) the first ``vocab_prefix`` ids."""
+        if self.frequent is None:
+            return min(self.vocab_prefix, size)
+        return self.frequent[self.frequent < size][:FREQUENT_IDS]
+
     def step(self, state: torch.Tensor, token: torch.Tensor, j: int) -> torch.Tensor:
         """Head j's link of the chain: ``head_step`` with its weights."""
         return head_step(state, token, self.weights[j], self.biases[j])
@@ -82,6 +99,7 @@ class DraftHeads:
             [w.to(device, dtype) for w in self.weights],
             [b.to(device, dtype) for b in self.biases],
             self.info,
+            self.frequent,
         )
 
     def save(self, path: str | Path) -> None:
@@ -91,6 +109,8 @@ class DraftHeads:
         for j, (w, b) in enumerate(zip(self.weights, self.biases)):
             tensors[f"head.{j}.weight"] = w.to(torch.float16).contiguous()
             tensors[f"head.{j}.bias"] = b.to(torch.float16).contiguous()
+        if self.frequent is not None:
+            tensors["frequent"] = self.frequent.to(torch.int32).contiguous()
         meta = {"format": FORMAT, "info": json.dumps(self.info, sort_keys=True)}
         atomic_write_bytes(Path(path), save(tensors, metadata=meta))
 
@@ -104,7 +124,8 @@ class DraftHeads:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: t if k == "frequent" else t.float() for k, t in tensors.items()}
         except Exception as e:
             raise SelfSpecError(
                 f"cannot read draft heads {path} ({e}); train them again with selfspec train-heads"
@@ -117,10 +138,12 @@ class DraftHeads:
         if meta.get("format") != FORMAT:
             raise SelfSpecError(f"{path} is not a selfspec draft heads file ({FORMAT})")
         count = len([k for k in tensors if k.endswith(".weight")])
+        frequent = tensors.get("frequent")
         heads = cls(
             [tensors[f"head.{j}.weight"] for j in range(count)],
             [tensors[f"head.{j}.bias"] for j in range(count)],
             json.loads(meta.get("info", "{}")),
+            frequent.long() if frequent is not None else None,
         )
         if hidden_size is not None and heads.hidden_size != hidden_size:
             raise SelfSpecError(
@@ -144,11 +167,13 @@ class HeadDrafter(Drafter):
     def __init__(self, runner: ModelRunner, heads: DraftHeads, stop_ids: tuple[int, ...] = ()):
         super().__init__()
         self.runner = runner
-        self.heads = heads.to(runner.device, _fastest_dtype(heads.weights[0], runner.device))
-        prefix = min(heads.vocab_prefix, runner.head_rows)
-        self.vocab = DraftVocab(prefix, runner.head_rows, always=stop_ids)
+        self.heads = heads.to(runner.device)
+        self.products = fastest_products(self.heads, runner.device)
+        base = heads.draft_vocab(runner.head_rows)
+        self.vocab = DraftVocab(base, runner.head_rows, always=stop_ids)
         self._hidden: torch.Tensor | None = None  # final hidden state of the pending token's row
         self._after_prefill = True
+        self._inputs: dict[int, torch.Tensor] = {}  # token -> token_input of its embedding
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
@@ -181,7 +206,8 @@ class HeadDrafter(Drafter):
         tokens, probs = [], []
         for j in range(k):
             self.last_steps += 1
-            state = self.heads.step(state, self._embedded(token), j)
+            both = torch.cat([state, self._token_input(token)], dim=-1)
+            state = state + F.silu(self.products[j](both)).float()
             logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
             if greedy:
                 best = int(logits.argmax())
@@ -200,9 +226,16 @@ class HeadDrafter(Drafter):
                 probs.append(q)
         return Draft(tokens, torch.stack(probs) if probs else None, source=self.name)
 
-    def _embedded(self, token: int) -> torch.Tensor:
-        ids = torch.tensor([token], device=self.runner.device)
-        return token_input(self.runner.adapter.embed(ids))
+    def _token_input(self, token: int) -> torch.Tensor:
+        """``token_input`` of the token's embedding, kept: a quantized file's row is decoded on
+        every lookup, and a text's tokens repeat."""
+        value = self._inputs.get(token)
+        if value is None:
+            if len(self._inputs) >= _KEPT_INPUTS:
+                self._inputs.clear()
+            ids = torch.tensor([token], device=self.runner.device)
+            value = self._inputs[token] = token_input(self.runner.adapter.embed(ids))
+        return value
 
     def learn(self, outcome: RoundOutcome) -> None:
         """After a verify pass: its row ``accepted`` made the next pending token."""
@@ -211,21 +244,47 @@ class HeadDrafter(Drafter):
         self._hidden = last[m : m + 1].clone() if last is not None and m < len(last) else None
 
 
-def _fastest_dtype(weight: torch.Tensor, device: torch.device) -> torch.dtype:
-    """float32, or bfloat16 where a head's product runs faster in it: several times faster on
-    CPUs with bfloat16 instructions, slower on those without, so it is timed, not assumed. A
-    head's guess is a guess: the rounding changes which drafts are kept, never the output."""
+def fastest_products(heads: DraftHeads, device: torch.device) -> list[Product]:
+    """Each head's product W x + b (x = [s ; e]) as drafting runs it, in the arithmetic this
+    machine runs fastest: float32, bfloat16 (several times faster on CPUs with bfloat16
+    instructions, slower on others) or, where selfspec's kernel runs 8-bit integer dot products,
+    the weights rounded to 8 bits per 32 as in a Q8_0 file (read in a quarter of float32's time).
+    Timed, not assumed. A head's guess is a guess: the rounding changes which drafts are kept,
+    never the output."""
     if device.type != "cpu":
-        return torch.float32
-    vector = torch.randn(1, weight.shape[1])
+        return [_float_product(w, b, torch.float32) for w, b in zip(heads.weights, heads.biases)]
+    makers = {
+        "float32": lambda w, b: _float_product(w, b, torch.float32),
+        "bfloat16": lambda w, b: _float_product(w, b, torch.bfloat16),
+    }
+    kernel = _kernel_or_none()
+    rows, columns = heads.weights[0].shape
+    if kernel is not None and rows % (PANEL * kernel.panels_per_group()) == 0 and columns % 32 == 0:
+        from selfspec.quantized import Q8Linear
+
+        makers["q8"] = lambda w, b: Q8Linear.from_float(w, b, kernel)
+    vector = torch.randn(1, heads.weights[0].shape[1])
     seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        w, x = weight.to(dtype), vector.to(dtype)
-        F.linear(x, w)  # warm-up
+    for name, make in makers.items():
+        product = make(heads.weights[0], heads.biases[0])
+        product(vector)  # warm-up
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            F.linear(x, w)
+            product(vector)
             times.append(time.perf_counter() - start)
-        seconds[dtype] = min(times)
-    return min(seconds, key=seconds.get)
+        seconds[name] = min(times)
+    make = makers[min(seconds, key=seconds.get)]
+    return [make(w, b) for w, b in zip(heads.weights, heads.biases)]
+
+
+def _float_product(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> Product:
+    weight, bias = weight.detach().to(dtype), bias.detach().to(dtype)
+    return lambda x: F.linear(x.to(dtype), weight, bias)
+
+
+def _kernel_or_none():
+    """The kernel if the model's speed mode has loaded it (it is not built for the heads alone)."""
+    from selfspec import kernels
+
+    return kernels.loaded_kernel()

@@ -126,6 +126,11 @@ def _compile():
         return module
 
 
+def loaded_kernel():
+    """The compiled extension if this process has loaded it already, else None (builds nothing)."""
+    return _kernel
+
+
 def load_kernel():
     """The compiled extension; raises SelfSpecError saying why it cannot be built."""
     global _kernel, _kernel_error
@@ -185,6 +190,23 @@ def linear_prefix(linear: nn.Module, x: torch.Tensor, out_features: int | None) 
         return linear(x, out_features)
     bias = linear.bias[:out_features] if linear.bias is not None else None
     return torch.nn.functional.linear(x, linear.weight[:out_features], bias)
+
+
+def linear_rows(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function of x giving ``linear``'s outputs ``ids`` only ([..., len(ids)]), from a module
+    holding just those rows (many ids: ``linear_outputs`` would copy most panels), each row's
+    arithmetic the module's own. Modules that cannot make one give ``linear_outputs``."""
+    make = getattr(linear, "rows_module", None)
+    module = make(ids) if make is not None else None
+    if module is None:
+        return linear_outputs(linear, ids)
+    return lambda x: module(x)[..., : len(ids)]
+
+
+def padded_rows(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` with its last repeated up to a whole number of the kernel's panel groups."""
+    pad = -len(ids) % (PANEL * load_kernel().panels_per_group())
+    return torch.cat([ids, ids[-1:].expand(pad)])
 
 
 def linear_outputs(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
