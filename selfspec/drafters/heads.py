@@ -171,6 +171,7 @@ class HeadDrafter(Drafter):
         self.products = fastest_products(self.heads, runner.device)
         base = heads.draft_vocab(runner.head_rows)
         self.vocab = DraftVocab(base, runner.head_rows, always=stop_ids)
+        self.vocab.prepare(runner.adapter.model.lm_head)
         self._hidden: torch.Tensor | None = None  # final hidden state of the pending token's row
         self._after_prefill = True
         self._inputs: dict[int, torch.Tensor] = {}  # token -> token_input of its embedding
