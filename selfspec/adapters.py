@@ -74,7 +74,7 @@ class DecoderAdapter:
 
     def logits(self, hidden, vocab: int | DraftVocab | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, over its first ``vocab`` token ids only, or over a
-        draft's ``DraftVocab`` (its prefix, then its extra ids)."""
+        draft's ``DraftVocab`` (its base ids, then its extra ids)."""
         return self.normed_logits(self.final_norm(hidden), vocab)
 
     def final_norm(self, hidden) -> torch.Tensor:

@@ -28,9 +28,11 @@ class DraftVocab:
         if isinstance(base, int):
             self.base_ids, self.prefix = None, base
         else:
-            self.base_ids = [int(t) for t in dict.fromkeys(base) if 0 <= int(t) < size]
+            ids = dict.fromkeys(int(t) for t in base)  # ints: a tensor's elements hash by identity
+            self.base_ids = [t for t in ids if 0 <= t < size]
             self.prefix = len(self.base_ids)
             self._in_base = set(self.base_ids)
+            self._base_tensor = torch.tensor(self.base_ids)
             self._base_outputs = None  # the head over base_ids, built when first needed
         self.size = size
         self.always = tuple(always)
@@ -72,7 +74,7 @@ class DraftVocab:
         """Gather the base ids' rows of ``linear`` now (given ids only; a prefix needs nothing), so
         that the first draft, whose time the drafter measures, does not pay for it."""
         if self.base_ids is not None and self._base_outputs is None:
-            self._base_outputs = linear_rows(linear, torch.tensor(self.base_ids))
+            self._base_outputs = linear_rows(linear, self._base_tensor)
 
     def logits(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``linear``'s outputs for the base ids, then for ``extra`` in order: [..., base + E]."""
@@ -99,7 +101,7 @@ class DraftVocab:
         if self.base_ids is None:
             out[: self.prefix] = logits[: self.prefix]
         else:
-            out[torch.tensor(self.base_ids)] = logits[: self.prefix]
+            out[self._base_tensor.to(out.device)] = logits[: self.prefix]
         if self.extra:
             out[self._extra_ids()] = logits[self.prefix :]
         return out

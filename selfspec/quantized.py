@@ -339,14 +339,16 @@ class Q8Linear(QuantLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> Q8Linear:
-        """``weight`` [N, K] rounded as a Q8_0 file holds it (per 32 inputs, a scale of their
-        largest magnitude / 127 and integers in [-127, 127]; the scale kept in float32)."""
+        """``weight`` [N, K] rounded as ggml's Q8_0 rounds it (per 32 inputs, a scale of their
+        largest magnitude / 127 and integers in [-127, 127], halves away from zero; the scale kept
+        in float32, where the file keeps float16)."""
         w = weight.detach().float().cpu().numpy()
         n, k = w.shape
         blocks = w.reshape(n, k // 32, 32)
         scale = (np.abs(blocks).max(-1) / 127).astype(np.float32)
         inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
-        q = np.clip(np.rint(blocks * inverse[..., None]), -127, 127).astype(np.int8)
+        scaled = blocks * inverse[..., None]
+        q = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127).astype(np.int8)
         decoded = Decoded(q.reshape(n, k), scale, None, 32, BYTES)
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
         return cls.from_decoded(decoded, "Q8_0", bias, kernel)
@@ -453,6 +455,7 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool
         else:
             quant = QuantLinear.from_decoded(decoded, tensor.type_name, bias, kernel)
             _check_exact(quant, linear.weight, gguf_name, gguf_path)
+        quant.source = (tensor, adapter_for(model).gguf_row_order(gguf_name, tensor.rows))
         swaps.append((module_name, quant))
     for module_name, quant in swaps:
         swap_module(model, module_name, quant)

@@ -187,7 +187,7 @@ class ModelRunner:
 
         Returns (logits [n, vocab], hidden entering sublayer ``capture_at`` [1, n, hidden] or None).
         With ``vocab``, only the first ``vocab`` token ids are scored (a cheaper draft head), or a
-        ``DraftVocab``'s ids (its prefix, then its extra ids).
+        ``DraftVocab``'s ids (its base ids, then its extra ids).
         With ``resume``, its rows are the first tokens' hidden states entering ``resume.sublayer``;
         only the remaining tokens run the sublayers before it.
         """

@@ -110,10 +110,11 @@ class PackedLinear(nn.Module):
     def rows_module(self, ids: torch.Tensor) -> PackedLinear:
         """A module of output rows ``ids`` only (padded: ``padded_rows``)."""
         ids = padded_rows(ids)
-        rows = nn.Linear(self.in_features, len(ids), bias=self.bias is not None)
-        rows.weight.data = self.packed_weight[ids // PANEL, :, ids % PANEL]  # [len(ids), K]
+        # on the meta device: no random initial weights for what is replaced at once
+        rows = nn.Linear(self.in_features, len(ids), bias=self.bias is not None, device="meta")
+        rows.weight = nn.Parameter(self.packed_weight[ids // PANEL, :, ids % PANEL], False)
         if self.bias is not None:
-            rows.bias.data = self.bias[ids]
+            rows.bias = nn.Parameter(self.bias[ids], False)
         return PackedLinear(rows, self.kernel)
 
     def forward(self, x: torch.Tensor, out_features: int | None = None) -> torch.Tensor:

@@ -55,8 +55,8 @@ def token_input(embedded: torch.Tensor) -> torch.Tensor:
 
 def head_step(state, token, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], the product in W's dtype.
-    ``token`` is ``token_input`` of the token before the guess. Training
-    (``selfspec.headtrain``) and drafting both go through here."""
+    ``token`` is ``token_input`` of the token before the guess. Training (``selfspec.headtrain``)
+    goes through here; drafting computes the same with the product ``fastest_products`` chose."""
     both = torch.cat([state, token.to(state.device, state.dtype)], dim=-1)
     return state + F.silu(F.linear(both.to(weight.dtype), weight, bias)).to(state.dtype)
 
@@ -89,10 +89,6 @@ class DraftHeads:
         if self.frequent is None:
             return min(self.vocab_prefix, size)
         return self.frequent[self.frequent < size][:FREQUENT_IDS]
-
-    def step(self, state: torch.Tensor, token: torch.Tensor, j: int) -> torch.Tensor:
-        """Head j's link of the chain: ``head_step`` with its weights."""
-        return head_step(state, token, self.weights[j], self.biases[j])
 
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
         return DraftHeads(
