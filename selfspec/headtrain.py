@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -276,7 +277,7 @@ def _chain(hidden, tokens, weights, biases, out, embed):
     tokens = tokens.to(device)
     for j, (w, b) in enumerate(zip(weights, biases)):
         fed = token_input(embed[tokens[j].clamp(min=0).to(embed.device)].to(device))
-        state = head_step(state, fed, w, b)
+        state = head_step(state, fed, partial(F.linear, weight=w, bias=b))
         target = tokens[j + 1]
         yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
 

@@ -33,7 +33,7 @@ from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, 
 from selfspec.drafthead import DraftVocab
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
-from selfspec.kernels import PANEL
+from selfspec.kernels import PANEL, loaded_kernel
 
 if TYPE_CHECKING:
     from selfspec.runner import ModelRunner
@@ -53,12 +53,13 @@ def token_input(embedded: torch.Tensor) -> torch.Tensor:
     return embedded * torch.rsqrt(embedded.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def head_step(state, token, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], the product in W's dtype.
-    ``token`` is ``token_input`` of the token before the guess. Training (``selfspec.headtrain``)
-    goes through here; drafting computes the same with the product ``fastest_products`` chose."""
+def head_step(state: torch.Tensor, token: torch.Tensor, product: Product) -> torch.Tensor:
+    """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], with ``product`` computing
+    W x + b (training: the float32 weights being learned; drafting: what ``fastest_products``
+    chose). ``token`` is ``token_input`` of the token before the guess. Training
+    (``selfspec.headtrain``) and drafting both go through here."""
     both = torch.cat([state, token.to(state.device, state.dtype)], dim=-1)
-    return state + F.silu(F.linear(both.to(weight.dtype), weight, bias)).to(state.dtype)
+    return state + F.silu(product(both)).to(state.dtype)
 
 
 @dataclass
@@ -203,8 +204,7 @@ class HeadDrafter(Drafter):
         tokens, probs = [], []
         for j in range(k):
             self.last_steps += 1
-            both = torch.cat([state, self._token_input(token)], dim=-1)
-            state = state + F.silu(self.products[j](both)).float()
+            state = head_step(state, self._token_input(token), self.products[j])
             logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
             if greedy:
                 best = int(logits.argmax())
@@ -254,13 +254,13 @@ def fastest_products(heads: DraftHeads, device: torch.device) -> list[Product]:
         "float32": lambda w, b: _float_product(w, b, torch.float32),
         "bfloat16": lambda w, b: _float_product(w, b, torch.bfloat16),
     }
-    kernel = _kernel_or_none()
+    kernel = loaded_kernel()  # where the model's speed mode loaded it: not built for the heads
     rows, columns = heads.weights[0].shape
     if kernel is not None and rows % (PANEL * kernel.panels_per_group()) == 0 and columns % 32 == 0:
         from selfspec.quantized import Q8Linear
 
         makers["q8"] = lambda w, b: Q8Linear.from_float(w, b, kernel)
-    vector = torch.randn(1, heads.weights[0].shape[1])
+    vector = torch.randn(1, columns)
     seconds = {}
     for name, make in makers.items():
         product = make(heads.weights[0], heads.biases[0])
@@ -278,10 +278,3 @@ def fastest_products(heads: DraftHeads, device: torch.device) -> list[Product]:
 def _float_product(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> Product:
     weight, bias = weight.detach().to(dtype), bias.detach().to(dtype)
     return lambda x: F.linear(x.to(dtype), weight, bias)
-
-
-def _kernel_or_none():
-    """The kernel if the model's speed mode has loaded it (it is not built for the heads alone)."""
-    from selfspec import kernels
-
-    return kernels.loaded_kernel()

@@ -205,8 +205,12 @@ def linear_rows(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor]
 
 def padded_rows(ids: torch.Tensor) -> torch.Tensor:
     """``ids`` with its last repeated up to a whole number of the kernel's panel groups."""
-    pad = -len(ids) % (PANEL * load_kernel().panels_per_group())
-    return torch.cat([ids, ids[-1:].expand(pad)])
+    return _padded(ids, PANEL * load_kernel().panels_per_group())
+
+
+def _padded(items: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``items`` with its last repeated up to a multiple of ``multiple`` entries."""
+    return torch.cat([items, items[-1:].expand(-len(items) % multiple)])
 
 
 def linear_outputs(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -220,8 +224,7 @@ def linear_outputs(linear: nn.Module, ids: torch.Tensor) -> Callable[[torch.Tens
         bias = linear.bias[ids] if linear.bias is not None else None
         return lambda x: torch.nn.functional.linear(x, weight, bias)
     panels = torch.unique(ids // PANEL)  # sorted
-    pad = -len(panels) % load_kernel().panels_per_group()
-    gathered = torch.cat([panels, panels[-1:].expand(pad)])
+    gathered = _padded(panels, load_kernel().panels_per_group())
     weight = linear.panel_weight.index_select(0, gathered)
     bias = None
     if linear.bias is not None:
