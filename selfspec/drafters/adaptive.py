@@ -444,7 +444,8 @@ class AdaptiveDrafter(Drafter):
             self.head_calibration.record(sum(self.heads.last_chances), outcome.accepted)
             if self.costs.plain:
                 steps = self.heads.last_steps  # guesses made, the one cut off included
-                self.head_step.add(outcome.draft_seconds / steps / self.costs.plain)
+                seconds = outcome.draft_seconds * self.heads.guess_share  # without the setup
+                self.head_step.add(seconds / steps / self.costs.plain)
         elif outcome.source == "layer_skip":
             self.skip.record(outcome.drafted, outcome.accepted)
             self.layer_skip.observe(outcome)

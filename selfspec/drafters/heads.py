@@ -172,6 +172,8 @@ class HeadDrafter(Drafter):
         self._hidden: torch.Tensor | None = None  # final hidden state of the pending token's row
         self._after_prefill = True
         self._inputs: dict[int, torch.Tensor] = {}  # token -> token_input of its embedding
+        self.last_chances, self.last_steps = [], 0
+        self._step_seconds = self._draft_seconds = 0.0  # the last draft's guesses, and all of it
 
     def begin(self, prompt_ids: list[int], max_len: int, settings: DraftSettings) -> None:
         super().begin(prompt_ids, max_len, settings)
@@ -191,10 +193,24 @@ class HeadDrafter(Drafter):
         """Up to ``request.max_tokens`` guesses. ``worth(chances)``, if given, decides whether
         guess j is proposed, from ``chances`` [j + 1]: the chance that guesses 0..i are all kept,
         per i, estimated from the heads' own confidence (their top probability); the first guess
-        not worth it ends the draft. ``last_chances`` keeps the proposed guesses' chances."""
+        not worth it ends the draft, and a guess refused even at the chance of the guesses before it
+        (its best) is not computed. ``last_chances`` keeps the proposed guesses' chances,
+        ``last_steps`` the guesses computed, ``guess_share`` the share of the draft's time they
+        took (the rest is its setup, paid once a draft: one more guess costs only its share)."""
+        began = time.perf_counter()
+        draft = self._guesses(request, worth)
+        self._draft_seconds = time.perf_counter() - began
+        return draft
+
+    @property
+    def guess_share(self) -> float:
+        """The share of the last draft's time that went to its guesses."""
+        return self._step_seconds / self._draft_seconds if self._draft_seconds > 0 else 1.0
+
+    def _guesses(self, request: DraftRequest, worth: Callable[[list[float]], bool] | None):
         k = min(request.max_tokens, len(self.heads))
         hidden = self._pending_row()
-        self.last_chances, self.last_steps = [], 0
+        self.last_chances, self.last_steps, self._step_seconds = [], 0, 0.0
         if k <= 0 or hidden is None:
             return Draft()
         self.vocab.follow(request.committed)
@@ -203,7 +219,10 @@ class HeadDrafter(Drafter):
         state, token, chance = normed.float(), request.committed[-1], 1.0
         tokens, probs = [], []
         for j in range(k):
+            if j and worth is not None and not worth([*self.last_chances, chance]):
+                break  # not worth it even if this guess were certain: spare its head step
             self.last_steps += 1
+            began = time.perf_counter()
             state = head_step(state, self._token_input(token), self.products[j])
             logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
             if greedy:
@@ -215,6 +234,7 @@ class HeadDrafter(Drafter):
                 token = int(torch.multinomial(q, 1, generator=request.generator))
                 confidence = float(q.max())
             chance *= confidence
+            self._step_seconds += time.perf_counter() - began
             if worth is not None and not worth([*self.last_chances, chance]):
                 break
             self.last_chances.append(chance)
