@@ -126,8 +126,12 @@ def test_a_chain_of_guesses_stops_at_the_first_not_worth_proposing(smollm2, trai
     assert seen[1] == [seen[0][0], seen[0][0]] and drafter.last_steps == 1
     # a guess that could pass if certain is computed, then judged on its own chance
     seen.clear()
-    at_best = lambda chances: len(chances) == 1 or chances[-1] >= chances[-2]  # noqa: E731
-    drafter.draft(request, lambda chances: seen.append(list(chances)) or at_best(chances))
+
+    def at_its_best(chances: list[float]) -> bool:  # the first guess, or one as likely as before
+        seen.append(list(chances))
+        return len(chances) == 1 or chances[-1] >= chances[-2]
+
+    drafter.draft(request, at_its_best)
     assert drafter.last_steps == 2 and seen[1] == [seen[0][0], seen[0][0]]
     assert 1 >= seen[2][0] >= seen[2][1] > 0  # then asked about guess 2 with both chances
     assert drafter.draft(request, lambda chances: False).tokens == []
