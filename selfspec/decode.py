@@ -14,6 +14,7 @@ for exactly the committed tokens.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,8 @@ class DecodeStats:
     final_threshold: float | None = None
     stop_reason: str = ""
     sources: dict = field(default_factory=dict)  # kind of draft -> [rounds, drafted, accepted]
+    # rows in a verify pass -> each such pass's seconds (to_dict gives their medians instead)
+    verify_seconds: dict = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,8 +84,21 @@ class DecodeStats:
         pairs = zip(self.accepted_by_position, self.drafted_by_position)
         return [a / d if d else 0.0 for a, d in pairs]
 
-    def record_round(self, drafted: int, accepted: int, source: str = "") -> None:
+    @property
+    def verify_ms_by_rows(self) -> dict[int, float]:
+        """Median milliseconds of this generation's verify passes, by rows in the pass (the
+        pending token and the draft): what the machine charged for each draft length."""
+        return {
+            rows: round(statistics.median(times) * 1000, 3)
+            for rows, times in sorted(self.verify_seconds.items())
+        }
+
+    def record_round(
+        self, drafted: int, accepted: int, source: str = "", verify_seconds: float | None = None
+    ) -> None:
         self.target_passes += 1
+        if verify_seconds is not None:
+            self.verify_seconds.setdefault(drafted + 1, []).append(verify_seconds)
         self.drafted += drafted
         self.accepted += accepted
         missing = drafted - len(self.drafted_by_position)
@@ -100,7 +116,9 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        del out["verify_seconds"]
         out.update(
+            verify_ms_by_rows=self.verify_ms_by_rows,
             acceptance_rate=round(self.acceptance_rate, 4),
             mean_accepted_length=round(self.mean_accepted_length, 4),
             tokens_per_second=round(self.tokens_per_second, 3),
@@ -299,7 +317,7 @@ def _round(
     m, next_token = accept(draft, logits, config.sampling, generator)
     t_end = time.perf_counter()
     k = len(draft.tokens)
-    gen.stats.record_round(k, m, draft.source)
+    gen.stats.record_round(k, m, draft.source, t_end - t_verify)
     if drafter is not None:
         pauses = drafter.guard.pauses
         drafter.observe(RoundOutcome(k, m, t_verify - t_draft, t_end - t_verify, draft.source))

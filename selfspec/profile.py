@@ -1,5 +1,6 @@
 """Measure what speculation costs: cached forward passes over 1..16 tokens, a layer-skip draft
-step and a draft of the draft heads' guesses.
+step, a draft of the draft heads' guesses, and whether that draft would pay running beside the
+verify pass (speculating ahead) instead of before it.
 
 Speculative decoding pays only when scoring k+1 tokens in one pass costs about one pass,
 and a draft step costs much less than a target step. This prints both, for selfspec's
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from selfspec.cliargs import (
@@ -126,7 +129,12 @@ def profile_engine(
             vocab=drafter.vocab,
         )
     if heads is not None:
-        passes["heads"] = _head_draft(runner, heads, prefix_ids.tolist())
+        head_draft = _head_draft(runner, heads, prefix_ids.tolist())
+        passes["heads"] = head_draft
+        # a round's verify pass over the pending token and every guess
+        rows = min(len(heads) + 1, max(SIZES))
+        round_pass = partial(runner.forward, new_ids[:rows], prefix)
+        passes.update(_ahead_rounds(round_pass, head_draft, runner.device))
     times = _interleaved_ms(passes, repeats)
     forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
 
@@ -175,8 +183,34 @@ def profile_engine(
             head_guess_cost_ratio=statistics.median(
                 h / guesses / f for h, f in zip(times["heads"], times["1"])
             ),
+            ahead_pass_tokens=min(guesses + 1, max(SIZES)),
+            ahead_sequential_ms=statistics.median(times["draft, then pass"]),
+            ahead_beside_ms=statistics.median(times["draft beside pass"]),
         )
     return result
+
+
+def _ahead_rounds(round_pass, draft, device) -> dict:
+    """A round with the draft made before its verify pass, and with the draft made beside it, in a
+    thread of its own (on CUDA, on a stream of its own): speculating ahead, as if the next draft's
+    inputs were known before the pass ends. It pays only where the second is faster."""
+    import torch
+
+    def own_thread():
+        if device.type != "cuda":
+            return draft()
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            draft()
+        stream.synchronize()
+
+    def beside():
+        worker = threading.Thread(target=own_thread)
+        worker.start()
+        round_pass()
+        worker.join()
+
+    return {"draft, then pass": lambda: (draft(), round_pass()), "draft beside pass": beside}
 
 
 def _head_draft(runner, heads: DraftHeads, context: list[int]):
@@ -260,5 +294,12 @@ def run(args) -> int:
             f"head draft ({result['head_guesses']} chained guesses): "
             f"{result['head_draft_ms']:.1f} ms = {result['head_guess_cost_ratio']:.3f} of a full "
             "step per guess"
+        )
+        sequential, beside = result["ahead_sequential_ms"], result["ahead_beside_ms"]
+        print(
+            f"speculating ahead (that draft in a thread of its own beside the verify pass over "
+            f"{result['ahead_pass_tokens']} tokens): {beside:.1f} ms a round, "
+            f"against {sequential:.1f} ms one after the other: "
+            + ("would pay here" if beside < sequential else "does not pay here")
         )
     return 0

@@ -162,6 +162,13 @@ def test_bench_reports_the_decoding_phase_on_its_own(bench_run):
     md = bench.format_markdown(result)
     assert "| decode tok/s | decode vs autoregressive |" in md
     assert "Decoding-phase speedup vs autoregressive by category" in md
+    # every verify pass timed: plain decoding's are one row each, one a token after the first
+    plain = result["methods"]["autoregressive"]
+    emitted = sum(p["methods"]["autoregressive"]["new_tokens"] - 1 for p in result["prompts"])
+    assert plain["verify_passes_by_rows"] == {1: emitted}
+    spec = result["methods"]["self_speculative"]
+    assert sum(spec["verify_passes_by_rows"].values()) == spec["target_passes"]
+    assert "Verify passes by rows in the pass" in md
 
 
 def test_decoding_phase_summary_from_known_runs():
@@ -201,6 +208,39 @@ def test_decoding_phase_summary_from_known_runs():
     one = result["methods"]["one_token"]
     assert one["decode_tokens_per_second"] is None and one["decode_speedup_vs_hf_generate"] is None
     assert one["time_to_first_token"] == pytest.approx(0.1) and one["tokens_per_second"] == 10.0
+
+
+def test_verify_passes_by_rows_from_known_runs():
+    """Each method's verify passes pooled by rows over prompts: median ms, counts, and the median
+    of each pass over plain decoding's median one-row pass on the same prompt; in the Markdown."""
+    from selfspec.bench.report import _verify_table
+    from selfspec.bench.summary import summarize
+    from selfspec.decode import DecodeStats
+    from selfspec.prompts import Prompt
+
+    def run(verify_seconds: dict) -> bench.MethodRun:
+        return bench.MethodRun([1, 2, 3], 1.0, DecodeStats(verify_seconds=verify_seconds), 0.1)
+
+    prompts = [Prompt("short", "x", "."), Prompt("long", "x", ".")]
+    runs = {  # the long prompt's passes cost twice the short one's
+        "autoregressive": [[run({1: [0.010, 0.012, 0.010]})], [run({1: [0.020, 0.021, 0.020]})]],
+        "self_speculative": [[run({1: [0.010], 3: [0.012, 0.013]})], [run({3: [0.024]})]],
+    }
+    registry = {name: bench.Method(name, None) for name in runs}
+    result = summarize(prompts, [[0]] * 2, list(runs), registry, runs, {})
+    spec = result["methods"]["self_speculative"]
+    assert spec["verify_ms_by_rows"] == {1: pytest.approx(10.0), 3: pytest.approx(13.0)}
+    assert spec["verify_passes_by_rows"] == {1: 1, 3: 3}
+    # 3 rows: 0.012 / 0.010, 0.013 / 0.010 on the short prompt, 0.024 / 0.020 on the long one
+    assert spec["verify_steps_by_rows"] == {1: pytest.approx(1.0), 3: pytest.approx(1.2)}
+    assert result["methods"]["autoregressive"]["verify_steps_by_rows"] == {1: pytest.approx(1.0)}
+    result["config"] = {"categories": ["x"], "memory_method": "."}
+    result["machine"], result["notes"] = {}, []
+    table = _verify_table(result)
+    assert "| self_speculative | 10.00 (1.00) | 13.00 (1.20) |" in table
+    assert DecodeStats(verify_seconds={2: [0.001, 0.003]}).to_dict()["verify_ms_by_rows"] == {
+        2: pytest.approx(2.0)
+    }
 
 
 @pytest.mark.slow
@@ -439,3 +479,9 @@ def test_profile_times_a_draft_of_every_head_guess(smollm2):
     result = profile_engine(smollm2, None, prefix=16, repeats=3, heads=heads)
     assert result["head_guesses"] == 3 and result["head_draft_ms"] > 0
     assert 0 < result["head_guess_cost_ratio"] < 5
+    # a round with the draft beside its verify pass (over the pending token and 3 guesses), and
+    # one after the other: each ran both (halved: medians of separate timings on a busy machine)
+    assert result["ahead_pass_tokens"] == 4
+    pass_ms = result["forward_ms"]["4"]
+    assert result["ahead_sequential_ms"] > 0.5 * (result["head_draft_ms"] + pass_ms)
+    assert result["ahead_beside_ms"] > 0.5 * max(result["head_draft_ms"], pass_ms)

@@ -142,6 +142,33 @@ def _acceptance_table(result: dict) -> list[str]:
     return lines
 
 
+def _verify_table(result: dict) -> list[str]:
+    """Median verify pass by rows, per method, with (where plain decoding ran) its median multiple
+    of plain decoding's one-row pass on the same prompt: what drafting cost in this run."""
+    methods = {n: r for n, r in result["methods"].items() if r.get("verify_ms_by_rows")}
+    if not methods:
+        return []
+    widths = sorted({int(rows) for r in methods.values() for rows in r["verify_ms_by_rows"]})
+    lines = [
+        "",
+        "Verify passes by rows in the pass (the pending token and the draft): median ms over the "
+        "run's rounds and, in parentheses, the median of each pass over plain decoding's one-row "
+        "pass on the same prompt:",
+        "",
+        "| method | " + " | ".join(str(rows) for rows in widths) + " |",
+        "|---|" + "---:|" * len(widths),
+    ]
+    for name, r in methods.items():
+        ms = {int(k): v for k, v in r["verify_ms_by_rows"].items()}
+        steps = {int(k): v for k, v in (r.get("verify_steps_by_rows") or {}).items()}
+        cells = [
+            _fmt(ms.get(rows)) + (f" ({steps[rows]:.2f})" if rows in steps else "")
+            for rows in widths
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _identity_notes(result: dict) -> list[str]:
     expected = _expected_difference(result)
     lines = []
@@ -187,7 +214,7 @@ def format_markdown(result: dict) -> str:
             "Decoding-phase speedup vs autoregressive by category (median over that category's "
             "prompts of the per-prompt ratios of decode tok/s):",
         )
-    lines += _acceptance_table(result) + _identity_notes(result)
+    lines += _acceptance_table(result) + _verify_table(result) + _identity_notes(result)
     lines += ["", f"Memory: {result['config']['memory_method']}"]
     if result.get("notes"):
         lines += ["", "Notes:"] + [f"- {note}" for note in result["notes"]]

@@ -137,6 +137,32 @@ def _drafting(stats: list[DecodeStats]) -> dict:
     }
 
 
+def _verify_passes(table: dict[str, list[dict]], name: str, indices: list[int]) -> dict:
+    """The method's verify passes pooled by rows over the prompts: median milliseconds, how many,
+    and (where plain decoding ran) the median of each pass over plain decoding's median one-row
+    pass on the same prompt, so that long prompts' dearer passes do not skew it."""
+    pooled: dict[int, list[float]] = {}
+    multiples: dict[int, list[float]] = {}
+    for i in indices:
+        stats = table[name][i]["stats"]
+        if stats is None:
+            return {}
+        plain = table.get("autoregressive", [None] * (i + 1))[i]
+        plain_times = plain["stats"].verify_seconds.get(1) if plain and plain["stats"] else None
+        one_row = median(plain_times) if plain_times else None
+        for rows, times in stats.verify_seconds.items():
+            pooled.setdefault(rows, []).extend(times)
+            if one_row:
+                multiples.setdefault(rows, []).extend(t / one_row for t in times)
+    out = {
+        "verify_ms_by_rows": {r: rounded(median(t) * 1000) for r, t in sorted(pooled.items())},
+        "verify_passes_by_rows": {r: len(t) for r, t in sorted(pooled.items())},
+    }
+    if multiples:
+        out["verify_steps_by_rows"] = {r: rounded(median(m)) for r, m in sorted(multiples.items())}
+    return out
+
+
 def _summary(
     table: dict[str, list[dict]], name: str, indices: list[int], prompts: list[Prompt]
 ) -> dict:
@@ -152,6 +178,7 @@ def _summary(
         "time_to_first_token": rounded(median(e["time_to_first_token"] for e in entries)),
     }
     out.update(_drafting([e["stats"] for e in entries if e["stats"] is not None]))
+    out.update(_verify_passes(table, name, indices))
     if all("identical_to_autoregressive" in e for e in entries):
         out["identical_to_autoregressive"] = all(e["identical_to_autoregressive"] for e in entries)
     identities = [e["identical_to_baseline"] for e in entries]
