@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -60,19 +61,37 @@ class QuantEmbedding(nn.Module):
     """The token embedding, read from the GGUF file's quantized rows as tokens come.
 
     Each row is the float32 value the file dequantizes to, which is exactly the float32 model's
-    embedding; only the rows of tokens seen are read, and nothing is held in memory of its own."""
+    embedding; only the rows of tokens seen are read. The last ``KEPT_ROWS`` distinct rows read are
+    kept decoded: a text's tokens repeat, and decoding one row per decoding step (numpy over the
+    mapped file) cost more than the lookup."""
+
+    KEPT_ROWS = 2048
 
     def __init__(self, tensor: GGUFTensor, embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.tensor = tensor
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("embed_scale", embed_scale, persistent=False)  # gemma scales rows
+        self._kept: dict[int, torch.Tensor] = {}  # token id -> its decoded row
+        self._lock = threading.Lock()  # a drafter's thread may embed beside a pass (profile)
+
+    def _decode(self, flat: list[int]) -> torch.Tensor:
+        decoded = decode(self.tensor.data[flat], self.tensor.type_name, len(flat))
+        return torch.from_numpy(np.ascontiguousarray(decoded.weights(0, len(flat)), np.float32))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows of ``ids`` (any shape) as float32 [n, embedding_dim]."""
-        flat = ids.reshape(-1).cpu().numpy()
-        decoded = decode(self.tensor.data[flat], self.tensor.type_name, len(flat))
-        return torch.from_numpy(np.ascontiguousarray(decoded.weights(0, len(flat)), np.float32))
+        flat = ids.reshape(-1).tolist()
+        with self._lock:
+            kept = self._kept
+            missing = [t for t in dict.fromkeys(flat) if t not in kept]
+            if len(missing) > self.KEPT_ROWS // 2:  # a long prompt: decoded at once, not kept
+                return self._decode(flat)
+            if missing:
+                if len(kept) + len(missing) > self.KEPT_ROWS:
+                    kept.clear()
+                kept.update(zip(missing, self._decode(missing)))
+            return torch.stack([kept[t] for t in flat])  # a copy: the model may change it
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.rows(ids).view(*ids.shape, self.embedding_dim).to(ids.device)

@@ -49,7 +49,17 @@ def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
     embedding = direct.model.get_input_embeddings()
     assert isinstance(embedding, quantload.QuantEmbedding)
     every_id = torch.arange(embedding.num_embeddings)
-    assert torch.equal(embedding(every_id), smollm2.loaded.model.get_input_embeddings().weight)
+    weight = smollm2.loaded.model.get_input_embeddings().weight
+    assert torch.equal(embedding(every_id), weight)
+    # rows looked up a few at a time, as decoding does, come from the rows it keeps decoded: the
+    # same values, in any order and with repeats; a returned row is a copy, and what it keeps stays
+    # within its bound
+    for ids in ([5], [5], [7, 5, 7], list(range(100, 100 + embedding.KEPT_ROWS // 2)), [9, 5]):
+        rows = embedding(torch.tensor(ids))
+        assert torch.equal(rows, weight[ids])
+        rows.zero_()
+        assert len(embedding._kept) <= embedding.KEPT_ROWS
+    assert torch.equal(embedding(torch.tensor([5, 9])), weight[[5, 9]])
 
 
 def test_gemma3_direct_load_equals_the_float32_model_put_into_the_mode():
