@@ -315,12 +315,12 @@ def _round(
     t_verify = time.perf_counter()
     logits = verify(runner, gen.committed, draft)
     m, next_token = accept(draft, logits, config.sampling, generator)
-    t_end = time.perf_counter()
+    verify_seconds = time.perf_counter() - t_verify
     k = len(draft.tokens)
-    gen.stats.record_round(k, m, draft.source, t_end - t_verify)
+    gen.stats.record_round(k, m, draft.source, verify_seconds)
     if drafter is not None:
         pauses = drafter.guard.pauses
-        drafter.observe(RoundOutcome(k, m, t_verify - t_draft, t_end - t_verify, draft.source))
+        drafter.observe(RoundOutcome(k, m, t_verify - t_draft, verify_seconds, draft.source))
         if drafter.guard.pauses > pauses:
             _note_fallback(gen.stats, len(gen.generated) + m + 1)
     gen.commit(draft.tokens[:m] + [next_token])

@@ -143,13 +143,13 @@ def _verify_passes(table: dict[str, list[dict]], name: str, indices: list[int]) 
     pass on the same prompt, so that long prompts' dearer passes do not skew it."""
     pooled: dict[int, list[float]] = {}
     multiples: dict[int, list[float]] = {}
+    plain_entries = table.get("autoregressive")
     for i in indices:
         stats = table[name][i]["stats"]
         if stats is None:
             return {}
-        plain = table.get("autoregressive", [None] * (i + 1))[i]
-        plain_times = plain["stats"].verify_seconds.get(1) if plain and plain["stats"] else None
-        one_row = median(plain_times) if plain_times else None
+        plain = plain_entries[i]["stats"] if plain_entries else None
+        one_row = median(plain.verify_seconds.get(1, [])) if plain else None
         for rows, times in stats.verify_seconds.items():
             pooled.setdefault(rows, []).extend(times)
             if one_row:

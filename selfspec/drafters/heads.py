@@ -244,8 +244,8 @@ class HeadDrafter(Drafter):
         return Draft(tokens, torch.stack(probs) if probs else None, source=self.name)
 
     def _token_input(self, token: int) -> torch.Tensor:
-        """``token_input`` of the token's embedding, kept: a quantized file's row is decoded on
-        every lookup, and a text's tokens repeat."""
+        """``token_input`` of the token's embedding, kept: a text's tokens repeat, and the
+        embedding lookup and its scaling are a few small torch calls each."""
         value = self._inputs.get(token)
         if value is None:
             if len(self._inputs) >= _KEPT_INPUTS:
