@@ -10,6 +10,7 @@
 
 #include "ops.h"
 
+#include <cstring>
 #include <tuple>
 
 namespace selfspec {
@@ -26,6 +27,9 @@ struct LinearRef {
   c10::optional<torch::Tensor> bias;
   int64_t in_features, out_features;
   int64_t max_rows;  // rows per kernel call: longer passes (prefill) go through in chunks
+
+  // This q8 layer's part of a parallel region over ``rows``, writing into y (allocated here).
+  Q8Job job(const QuantizedRows& rows, torch::Tensor& y) const { return q8_job(rows, weight, format, group, bias, y); }
 
   // y = x W^T + b for x [M, K]; ``rows``: x already rounded to 8 bits (q8 only).
   torch::Tensor forward(const torch::Tensor& x, const QuantizedRows* rows = nullptr) const {
@@ -82,6 +86,18 @@ inline void rotate(torch::Tensor& x, int64_t heads, int64_t D, const float* cos,
     }
 }
 
+// y + h in place (y: a sublayer's fresh output, h: the residual stream, both [M, H]): the bits of
+// torch's h + y without a dispatch and an allocation.
+inline torch::Tensor plus_residual(torch::Tensor y, const torch::Tensor& h) {
+  TORCH_CHECK(y.sizes() == h.sizes() && y.is_contiguous() && h.is_contiguous(), "residual shapes differ");
+  float* yp = y.data_ptr<float>();
+  const float* hp = h.data_ptr<float>();
+  at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) yp[i] = hp[i] + yp[i];
+  });
+  return y;
+}
+
 struct DecoderLayer {
   torch::Tensor input_norm, post_attention_norm;
   double eps;
@@ -107,7 +123,12 @@ struct DecoderLayer {
     sin = sin.reshape({M, D}).contiguous();
     auto [x, rows] = normed(h, input_norm, {&q, &k, &v});
     const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
-    torch::Tensor qs = q.forward(x, r), ks = k.forward(x, r), vs = v.forward(x, r);
+    torch::Tensor qs, ks, vs;
+    if (r != nullptr) {
+      q8_run_jobs(*r, {q.job(*r, qs), k.job(*r, ks), v.job(*r, vs)}, false);
+    } else {
+      qs = q.forward(x), ks = k.forward(x), vs = v.forward(x);
+    }
     rotate(qs, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
     rotate(ks, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
     return {qs, ks, vs};
@@ -122,10 +143,8 @@ struct DecoderLayer {
     const int64_t M = h.size(0), D = head_dim, L = start + M;
     TORCH_CHECK(keys.size(1) >= L && keys.stride(2) == 1 && values.stride(2) == 1, "cache too short");
     auto [qs, ks, vs] = rotated_qkv(h, cos, sin);
-    for (int64_t hk = 0; hk < kv_heads; ++hk) {
-      keys[hk].slice(0, start, L).copy_(ks.view({M, kv_heads, D}).select(1, hk));
-      values[hk].slice(0, start, L).copy_(vs.view({M, kv_heads, D}).select(1, hk));
-    }
+    write_cache(ks, keys, start);
+    write_cache(vs, values, start);
     torch::Tensor m;
     if (mask.has_value() && mask->defined()) {
       m = mask->reshape({M, L}).contiguous();
@@ -133,7 +152,19 @@ struct DecoderLayer {
     }
     auto out = torch::empty({M, heads * D}, h.options());
     attend(qs, keys, values, start, m, out);
-    return h + o.forward(out);
+    return plus_residual(o.forward(out), h);
+  }
+
+  // rows [M, kv_heads * D] into cache [kv_heads, max_len, D] at positions start..start+M-1
+  void write_cache(const torch::Tensor& rows, torch::Tensor& cache, int64_t start) const {
+    TORCH_CHECK(cache.dtype() == torch::kFloat32, "the cache must be float32");
+    const int64_t M = rows.size(0), D = head_dim;
+    const float* src = rows.data_ptr<float>();
+    float* dst = cache.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t hk = 0; hk < kv_heads; ++hk)
+        std::memcpy(dst + hk * cache.stride(0) + (start + m) * cache.stride(1), src + (m * kv_heads + hk) * D,
+                    D * sizeof(float));
   }
 
   // One row per sequence: row m is sequence m's next token, at position starts[m] of its own cache
@@ -149,10 +180,9 @@ struct DecoderLayer {
     for (int64_t m = 0; m < M; ++m)
       TORCH_CHECK(keys[m].size(1) > starts[m] && keys[m].stride(2) == 1 && values[m].stride(2) == 1, "cache too short");
     auto [qs, ks, vs] = rotated_qkv(h, cos, sin);
-    auto ks3 = ks.view({M, kv_heads, D}), vs3 = vs.view({M, kv_heads, D});
     for (int64_t m = 0; m < M; ++m) {
-      keys[m].select(1, starts[m]).copy_(ks3[m]);
-      values[m].select(1, starts[m]).copy_(vs3[m]);
+      write_cache(ks.slice(0, m, m + 1), keys[m], starts[m]);
+      write_cache(vs.slice(0, m, m + 1), values[m], starts[m]);
     }
     auto out = torch::empty({M, heads * D}, h.options());
     const float* qp = qs.data_ptr<float>();
@@ -171,7 +201,7 @@ struct DecoderLayer {
                      [](int64_t, int64_t, float s) { return s; }, scores.data(), op + first);
       }
     });
-    return h + o.forward(out);
+    return plus_residual(o.forward(out), h);
   }
 
   // Each task takes one key-value head and a run of rows: all their grouped query heads read each
@@ -219,7 +249,12 @@ struct DecoderLayer {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.dtype() == torch::kFloat32, "h must be [M, H] float32");
     auto [x, rows] = normed(h, post_attention_norm, {&gate, &up});
     const QuantizedRows* r = rows.has_value() ? &*rows : nullptr;
-    torch::Tensor g = gate.forward(x, r), u = up.forward(x, r);
+    torch::Tensor g, u;
+    if (r != nullptr) {
+      q8_run_jobs(*r, {gate.job(*r, g), up.job(*r, u)}, false);
+    } else {
+      g = gate.forward(x), u = up.forward(x);
+    }
     float* gp = g.data_ptr<float>();
     const float* upp = u.data_ptr<float>();
     const int64_t n = g.numel();
@@ -235,7 +270,7 @@ struct DecoderLayer {
         for (int64_t t = 0; i + t < n; ++t) gp[i + t] = gs[t];
       }
     });
-    return h + down.forward(g);
+    return plus_residual(down.forward(g), h);
   }
 };
 

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -38,6 +39,39 @@ constexpr int kBlockK = 512;  // k-block: a group's weights for one block stay i
 constexpr int kPrefetch = SELFSPEC_PREFETCH;  // k-steps (64 bytes each per panel) to prefetch ahead
 
 constexpr int kVecPerPanel = kPanel / kVec;
+
+// fn(u) for every unit u in [0, n) on the pool's threads. Each thread first takes its own
+// contiguous share from the front (one stream through memory), then what is left at the back of
+// the others' shares, so no thread waits long at the end for one that got less memory bandwidth
+// or more expensive units.
+template <typename F>
+void balanced_for(int64_t n, const F& fn) {
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
+  if (T <= 1 || at::in_parallel_region()) {
+    for (int64_t u = 0; u < n; ++u) fn(u);
+    return;
+  }
+  // per share: the next unit from the front (high 32 bits) and the end of what is left (low 32)
+  std::vector<std::atomic<uint64_t>> shares(T);
+  for (int64_t t = 0; t < T; ++t)
+    shares[t].store(static_cast<uint64_t>(t * n / T) << 32 | static_cast<uint64_t>((t + 1) * n / T));
+  auto take = [](std::atomic<uint64_t>& share, bool front) -> int64_t {
+    uint64_t cur = share.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = cur >> 32, b = cur & 0xffffffffu;
+      if (f >= b) return -1;
+      const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+      if (share.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return static_cast<int64_t>(front ? f : b - 1);
+    }
+  };
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t u; (u = take(shares[t], true)) >= 0;) fn(u);
+      for (int64_t k = 1; k < T; ++k)
+        for (int64_t u; (u = take(shares[(t + k) % T], false)) >= 0;) fn(u);
+    }
+  });
+}
 
 // Blocked summation: each k-block's partial sum is added to the total, in k order.
 template <int ROWS, int V>

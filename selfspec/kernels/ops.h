@@ -46,26 +46,52 @@ inline torch::Tensor dequantize_panels(torch::Tensor wq, int64_t format, int64_t
 
 inline int64_t panels_per_group() { return kGroup; }
 
+// One q8 layer's part of a parallel region: its units (kGroup panels each) and how to run one.
+struct Q8Job {
+  using UnitFn = void (*)(const QuantizedRows&, const uint8_t*, int64_t, float*, int64_t, const float*, bool);
+  UnitFn unit;
+  const uint8_t* wq;
+  int64_t units;
+  float* y;
+  int64_t N;
+  const float* bias;
+};
+
+// A q8 layer's job over rows ``a``, its output y [M, N] allocated here.
+inline Q8Job q8_job(const QuantizedRows& a, const torch::Tensor& wq, int64_t format, int64_t group,
+                    const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  const int64_t P = wq.size(0), N = P * kPanel;
+  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, a.K),
+              "x has ", a.K, " features, which does not match the quantized weight");
+  y = torch::empty({a.M, N}, torch::dtype(torch::kFloat32));
+  Q8Job::UnitFn unit = format == kSixBits ? &q8six_run_unit : with_format(format, group, [](auto f, auto g) {
+    return static_cast<Q8Job::UnitFn>(&q8_run_unit<decltype(f)::value, decltype(g)::value>);
+  });
+  return {unit, wq.data_ptr<uint8_t>(), P / kGroup, y.data_ptr<float>(), N, bias_pointer(bias, N)};
+}
+
+// Layers over the same rows in one parallel region (q, k and v; gate and up): one wake-up of the
+// threads and one wait at the end instead of one per layer.
+inline void q8_run_jobs(const QuantizedRows& a, const std::vector<Q8Job>& jobs, bool reference) {
+  if (a.M == 0) return;
+  reference = reference || !kHaveQ8Vector;
+  int64_t total = 0;
+  for (const Q8Job& j : jobs) total += j.units;
+  balanced_for(total, [&](int64_t u) {
+    size_t i = 0;
+    for (; u >= jobs[i].units; ++i) u -= jobs[i].units;
+    const Q8Job& j = jobs[i];
+    j.unit(a, j.wq, u, j.y, j.N, j.bias, reference);
+  });
+}
+
 // Rows already rounded to 8 bits (``quantize_rows``) times quantized panels in the q8 arrangement:
 // inputs shared by several layers (q, k and v; gate and up) are rounded once.
 inline torch::Tensor q8_linear_rows(const QuantizedRows& a, const torch::Tensor& wq, int64_t format,
                                     int64_t group, const c10::optional<torch::Tensor>& bias, bool reference) {
-  const int64_t M = a.q.size(0), K = a.q.size(1), P = wq.size(0), N = P * kPanel;
-  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
-  TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, K),
-              "x has ", K, " features, which does not match the quantized weight");
-  const float* bp = bias_pointer(bias, N);
-  auto y = torch::empty({M, N}, torch::dtype(torch::kFloat32));
-  if (M == 0) return y;
-  if (format == kSixBits) {
-    q8_run_six(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp, reference);
-    return y;
-  }
-  with_format(format, group, [&](auto f, auto g) {
-    q8_run<decltype(f)::value, decltype(g)::value>(a, M, K, wq.data_ptr<uint8_t>(), P, y.data_ptr<float>(), N, bp,
-                                                   reference || !kHaveQ8Vector);
-    return 0;
-  });
+  torch::Tensor y;
+  q8_run_jobs(a, {q8_job(a, wq, format, group, bias, y)}, reference);
   return y;
 }
 

@@ -23,6 +23,7 @@ namespace selfspec {
 //   y = fma(offset[n, g], d[m, b(g)] * float(S), y)          for formats with an offset
 // then y + bias.
 constexpr int kActBlock = 32;
+constexpr int64_t kSerialRoundingBlocks = 256;  // activation blocks one thread rounds alone
 
 // How the vector paths cut a pass's rows into tiles; the runs below and the activations' layout
 // (q8_tile_height) both follow these. A VNNI tile holds up to kVnniRows rows of one panel, an AVX2
@@ -56,40 +57,62 @@ struct TileMajor {
 };
 
 struct QuantizedRows {
-  torch::Tensor q;       // [M, K] int8
-  torch::Tensor d;       // [M, K / 32] float32
-  torch::Tensor sums16;  // [M, K / 16] int32
+  torch::Tensor storage;  // owns every array below: one allocation a call, not nine tensors
+  int64_t M, K;
+  int8_t* q;        // [M, K]
+  float* d;         // [M, K / 32]
+  int32_t* sums16;  // [M, K / 16]
   // The same, interleaved for the vector tiles (TileMajor over M rows, q8_tile_height):
-  torch::Tensor quads;  // K / 4 steps: a[m, 4i..4i+3] as one little-endian int32 word
-  torch::Tensor d_t;    // K / 32 steps: d, float32
-  torch::Tensor s16;    // K / 16 steps: S over those 16 k, int32
-  torch::Tensor s32;    // K / 32 steps: S over those 32 k, int32
-  torch::Tensor ds32;   // K / 32 steps: d * float(S over those 32 k), float32
+  int32_t* quads;  // K / 4 steps: a[m, 4i..4i+3] as one little-endian int32 word
+  float* d_t;      // K / 32 steps: d, float32
+  int32_t* s16;    // K / 16 steps: S over those 16 k, int32
+  int32_t* s32;    // K / 32 steps: S over those 32 k, int32
+  float* ds32;     // K / 32 steps: d * float(S over those 32 k), float32
 };
+
+// Room for M rows of K in one byte tensor, each array starting on a cache line.
+inline QuantizedRows allocate_rows(int64_t M, int64_t K) {
+  const int64_t words[] = {M * K / 4, M * K / kActBlock, M * K / 16, M * K / 4, M * K / kActBlock, M * K / 16,
+                           M * K / kActBlock, M * K / kActBlock};
+  int64_t offsets[8], total = 0;
+  for (int i = 0; i < 8; ++i) {
+    offsets[i] = total;
+    total += (words[i] * 4 + 63) / 64 * 64;
+  }
+  QuantizedRows out{torch::empty({total + 64}, torch::kUInt8), M, K};
+  uint8_t* base = out.storage.data_ptr<uint8_t>();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  out.q = reinterpret_cast<int8_t*>(base + offsets[0]);
+  out.d = reinterpret_cast<float*>(base + offsets[1]);
+  out.sums16 = reinterpret_cast<int32_t*>(base + offsets[2]);
+  out.quads = reinterpret_cast<int32_t*>(base + offsets[3]);
+  out.d_t = reinterpret_cast<float*>(base + offsets[4]);
+  out.s16 = reinterpret_cast<int32_t*>(base + offsets[5]);
+  out.s32 = reinterpret_cast<int32_t*>(base + offsets[6]);
+  out.ds32 = reinterpret_cast<float*>(base + offsets[7]);
+  return out;
+}
 
 inline QuantizedRows quantize_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kActBlock == 0, "in_features ", K, " is not a multiple of ", kActBlock);
-  const auto f32 = torch::kFloat32;
-  QuantizedRows out{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kActBlock}, f32),
-                    torch::empty({M, K / 16}, torch::kInt32), torch::empty({K / 4, M}, torch::kInt32),
-                    torch::empty({K / kActBlock, M}, f32), torch::empty({K / 16, M}, torch::kInt32),
-                    torch::empty({K / kActBlock, M}, torch::kInt32), torch::empty({K / kActBlock, M}, f32)};
+  QuantizedRows out = allocate_rows(M, K);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = out.q.data_ptr<int8_t>();
-  float* dp = out.d.data_ptr<float>();
-  int32_t* sp = out.sums16.data_ptr<int32_t>();
-  int32_t* quads = out.quads.data_ptr<int32_t>();
-  float* d_t = out.d_t.data_ptr<float>();
-  int32_t* s16 = out.s16.data_ptr<int32_t>();
-  int32_t* s32 = out.s32.data_ptr<int32_t>();
-  float* ds32 = out.ds32.data_ptr<float>();
+  int8_t* qp = out.q;
+  float* dp = out.d;
+  int32_t* sp = out.sums16;
+  int32_t* quads = out.quads;
+  float* d_t = out.d_t;
+  int32_t* s16 = out.s16;
+  int32_t* s32 = out.s32;
+  float* ds32 = out.ds32;
   const int64_t blocks = K / kActBlock;
   const int64_t height = q8_tile_height(M);
   // Work comes as (tile, block) units, every row of the tile: the interleaved arrays interleave a
   // tile's rows word by word, so threads that split a tile's rows would write the same cache lines.
   const int64_t tiles = (M + height - 1) / height;
-  at::parallel_for(0, tiles * blocks, 8, [&](int64_t u0, int64_t u1) {
+  // a few rows are less work than waking the other threads
+  at::parallel_for(0, tiles * blocks, std::max<int64_t>(8, kSerialRoundingBlocks / std::min(M, height)), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t m0 = u / blocks * height, i = u % blocks;
       for (int64_t m = m0; m < std::min(M, m0 + height); ++m) {
@@ -149,9 +172,9 @@ template <int FORMAT, int G>
 void q8_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                         int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
-  const int8_t* aq = a.q.data_ptr<int8_t>();
-  const float* ad = a.d.data_ptr<float>();
-  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  const int8_t* aq = a.q;
+  const float* ad = a.d;
+  const int32_t* as = a.sums16;
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += G) {
@@ -264,8 +287,8 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8tile_table(std::integer_sequence<
 inline void q8_run_tiles(const Q8TileFn* table, const QuantizedRows& a, const void* sums, int64_t sum_steps,
                          int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y, int64_t N,
                          const float* bias) {
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
+  const int32_t* quads = a.quads;
+  const float* d_t = a.d_t;
   const int64_t elem = 4;  // bytes of one row's entry in every interleaved array
   for (int64_t m0 = 0; m0 < M; m0 += kVnniRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kVnniRows, M - m0));
@@ -281,9 +304,9 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
                   int64_t N, const float* bias) {
   static constexpr auto table = q8tile_table<FORMAT, G>(std::make_integer_sequence<int, kVnniRows>{});
   // per group: S (byte formats subtract 128 * S) or d * S (nibble formats' offsets)
-  const void* sums = Layout<FORMAT, G>::kNibbleQ ? static_cast<const void*>(a.ds32.data_ptr<float>())
-                     : G == 16                   ? static_cast<const void*>(a.s16.data_ptr<int32_t>())
-                                                 : static_cast<const void*>(a.s32.data_ptr<int32_t>());
+  const void* sums = Layout<FORMAT, G>::kNibbleQ ? static_cast<const void*>(a.ds32)
+                     : G == 16                   ? static_cast<const void*>(a.s16)
+                                                 : static_cast<const void*>(a.s32);
   q8_run_tiles(table.data(), a, sums, K / G, M, K, wq, p_begin, y, N, bias);
 }
 
@@ -391,9 +414,9 @@ template <int FORMAT, int G>
 void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                        int64_t N, const float* bias) {
   constexpr int kRows = kAvx2Rows;
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
-  const float* ds32 = a.ds32.data_ptr<float>();  // d * S per 32 k: the nibble formats' offsets
+  const int32_t* quads = a.quads;
+  const float* d_t = a.d_t;
+  const float* ds32 = a.ds32;  // d * S per 32 k: the nibble formats' offsets
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
@@ -415,28 +438,22 @@ constexpr bool kHaveQ8Vector = true;
 constexpr bool kHaveQ8Vector = false;
 #endif
 
+// Panels [g * kGroup, (g + 1) * kGroup) of one layer: the unit of parallel work.
 template <int FORMAT, int G>
-void q8_run(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y, int64_t N,
-            const float* bias, bool reference) {
-  const int64_t panel_bytes = Layout<FORMAT, G>::panel_bytes(K);
-  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
+void q8_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N, const float* bias,
+                 bool reference) {
+  const int64_t M = a.M, K = a.K, panel_bytes = Layout<FORMAT, G>::panel_bytes(K);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-      if (!reference) {
-        q8_run_group<FORMAT, G>(a, M, K, wq, g * kGroup, y, N, bias);
-        continue;
-      }
+  if (!reference) return q8_run_group<FORMAT, G>(a, M, K, wq, g * kGroup, y, N, bias);
 #elif defined(__AVX2__)
-      if (!reference) {
-        for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
-          q8_run_panel_avx2<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-        continue;
-      }
+  if (!reference) {
+    for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
+      q8_run_panel_avx2<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+    return;
+  }
 #endif
-      for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
-        q8_reference_panel<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-    }
-  });
+  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p)
+    q8_reference_panel<FORMAT, G>(a, M, K, wq + p * panel_bytes, p, y, N, bias);
 }
 
 }  // namespace selfspec

@@ -13,9 +13,9 @@ namespace selfspec {
 inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
                                   float* y, int64_t N, const float* bias) {
   using L = SixBitLayout;
-  const int8_t* aq = a.q.data_ptr<int8_t>();
-  const float* ad = a.d.data_ptr<float>();
-  const int32_t* as = a.sums16.data_ptr<int32_t>();
+  const int8_t* aq = a.q;
+  const float* ad = a.d;
+  const int32_t* as = a.sums16;
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += 16) {
@@ -99,7 +99,7 @@ constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<i
 inline void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
                             float* y, int64_t N, const float* bias) {
   static constexpr auto table = q8six_table(std::make_integer_sequence<int, kVnniRows>{});
-  q8_run_tiles(table.data(), a, a.s16.data_ptr<int32_t>(), K / 16, M, K, wq, p_begin, y, N, bias);
+  q8_run_tiles(table.data(), a, a.s16, K / 16, M, K, wq, p_begin, y, N, bias);
 }
 
 constexpr bool kHaveSixBitTiles = true;
@@ -189,9 +189,9 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
 inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
                              float* y, int64_t N, const float* bias) {
   constexpr int kRows = kAvx2Rows;
-  const int32_t* quads = a.quads.data_ptr<int32_t>();
-  const float* d_t = a.d_t.data_ptr<float>();
-  const int32_t* s16 = a.s16.data_ptr<int32_t>();
+  const int32_t* quads = a.quads;
+  const float* d_t = a.d_t;
+  const int32_t* s16 = a.s16;
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
     auto* tile = rows == 4   ? &q8six_tile_avx2<4>
@@ -211,26 +211,21 @@ constexpr bool kHaveSixBitTiles = false;
 // vector once per tile of rows. Passes gain from the fewer bytes while memory-bound; over 16 rows
 // and more the unpacking costs about what the bytes save (README: the 2026-11-24 and 2026-11-25
 // kernel changes).
-inline void q8_run_six(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t P, float* y,
-                       int64_t N, const float* bias, bool reference) {
-  const int64_t panel_bytes = SixBitLayout::panel_bytes(K);
-  at::parallel_for(0, P / kGroup, 1, [&](int64_t g0, int64_t g1) {
+inline void q8six_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
+                           const float* bias, bool reference) {
+  const int64_t M = a.M, K = a.K, panel_bytes = SixBitLayout::panel_bytes(K);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-    if (!reference) {
-      for (int64_t g = g0; g < g1; ++g) q8six_run_group(a, M, K, wq, g * kGroup, y, N, bias);
-      return;
-    }
+  if (!reference) return q8six_run_group(a, M, K, wq, g * kGroup, y, N, bias);
 #endif
-    for (int64_t p = g0 * kGroup; p < g1 * kGroup; ++p) {
+  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) {
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
-      if (!reference) {
-        q8six_panel_avx2(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-        continue;
-      }
-#endif
-      q8six_reference_panel(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+    if (!reference) {
+      q8six_panel_avx2(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+      continue;
     }
-  });
+#endif
+    q8six_reference_panel(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+  }
 }
 
 }  // namespace selfspec
