@@ -52,9 +52,8 @@ class DecoderAdapter:
         if self.fused is not None:
             cos, sin = rope[self.layer_types[i]]
             rows = hidden.reshape(-1, hidden.shape[-1])
-            out = self.fused[i].attention(
-                rows, cos, sin, cache.keys[i, 0], cache.values[i, 0], cache.write_pos, mask
-            )
+            keys, values = cache.layer(i)
+            out = self.fused[i].attention(rows, cos, sin, keys, values, cache.write_pos, mask)
             return out.view(hidden.shape)
         layer = self.layers[i]
         out, _ = layer.self_attn(

@@ -44,6 +44,14 @@ class KVCache:
             self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.write_pos = 0
+        self._layer_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's key and value buffers, [heads, max_len, head_dim] each (views made once: a
+        batch pass asks for every sequence's, layer after layer)."""
+        if self._layer_views is None:
+            self._layer_views = [(k[0], v[0]) for k, v in zip(self.keys, self.values)]
+        return self._layer_views[i]
 
     # The only method HF attention modules call on a cache.
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -140,8 +148,8 @@ class ModelRunner:
         )[a.layer_types[0]]
         rows = hidden.reshape(m, -1)
         for i in range(self.num_layers):
-            keys = [c.keys[i, 0] for c in caches]
-            values = [c.values[i, 0] for c in caches]
+            views = [c.layer(i) for c in caches]
+            keys, values = [k for k, _ in views], [v for _, v in views]
             rows = a.fused[i].attention_many(rows, cos, sin, keys, values, positions)
             rows = a.fused[i].mlp(rows)
         if scored is not None:
