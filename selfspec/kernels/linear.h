@@ -46,6 +46,7 @@ constexpr int kVecPerPanel = kPanel / kVec;
 // or more expensive units.
 template <typename F>
 void balanced_for(int64_t n, const F& fn) {
+  TORCH_CHECK(n < (int64_t{1} << 32), "too many units of work: ", n);  // shares pack two 32-bit indices
   const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
   if (T <= 1 || at::in_parallel_region()) {
     for (int64_t u = 0; u < n; ++u) fn(u);
