@@ -156,7 +156,7 @@ struct DecoderLayer {
   }
 
   // rows [M, kv_heads * D] into cache [kv_heads, max_len, D] at positions start..start+M-1
-  void write_cache(const torch::Tensor& rows, torch::Tensor& cache, int64_t start) const {
+  void write_cache(const torch::Tensor& rows, const torch::Tensor& cache, int64_t start) const {
     TORCH_CHECK(cache.dtype() == torch::kFloat32, "the cache must be float32");
     const int64_t M = rows.size(0), D = head_dim;
     const float* src = rows.data_ptr<float>();

@@ -112,7 +112,8 @@ inline QuantizedRows quantize_rows(const torch::Tensor& x) {
   // tile's rows word by word, so threads that split a tile's rows would write the same cache lines.
   const int64_t tiles = (M + height - 1) / height;
   // a few rows are less work than waking the other threads
-  at::parallel_for(0, tiles * blocks, std::max<int64_t>(8, kSerialRoundingBlocks / std::min(M, height)), [&](int64_t u0, int64_t u1) {
+  const int64_t grain = std::max<int64_t>(8, kSerialRoundingBlocks / std::max<int64_t>(1, std::min(M, height)));
+  at::parallel_for(0, tiles * blocks, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t m0 = u / blocks * height, i = u % blocks;
       for (int64_t m = m0; m < std::min(M, m0 + height); ++m) {
