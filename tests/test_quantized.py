@@ -109,6 +109,8 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
         kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
         kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64],
     )
+    empty = kernel.q8_linear(x[:0], wq, decoded.format, decoded.group, bias, False)
+    assert empty.shape == (0, rows)
 
 
 @needs_kernel
