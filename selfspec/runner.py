@@ -44,13 +44,11 @@ class KVCache:
             self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.write_pos = 0
-        self._layer_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # views made once: a batch pass asks for every sequence's, layer after layer
+        self._layer_views = [(k[0], v[0]) for k, v in zip(self.keys, self.values)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's key and value buffers, [heads, max_len, head_dim] each (views made once: a
-        batch pass asks for every sequence's, layer after layer)."""
-        if self._layer_views is None:
-            self._layer_views = [(k[0], v[0]) for k, v in zip(self.keys, self.values)]
+        """Layer i's key and value buffers, [heads, max_len, head_dim] each."""
         return self._layer_views[i]
 
     # The only method HF attention modules call on a cache.
