@@ -87,9 +87,10 @@ class QuantEmbedding(nn.Module):
             missing = [t for t in dict.fromkeys(flat) if t not in kept]
             if len(missing) > self.KEPT_ROWS // 2:  # a long prompt: decoded at once, not kept
                 return self._decode(flat)
+            if len(kept) + len(missing) > self.KEPT_ROWS:
+                kept.clear()  # then every id of this call is missing, the kept ones too
+                missing = list(dict.fromkeys(flat))
             if missing:
-                if len(kept) + len(missing) > self.KEPT_ROWS:
-                    kept.clear()
                 kept.update(zip(missing, self._decode(missing)))
             return torch.stack([kept[t] for t in flat])  # a copy: the model may change it
 

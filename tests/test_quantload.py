@@ -53,8 +53,10 @@ def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
     assert torch.equal(embedding(every_id), weight)
     # rows looked up a few at a time, as decoding does, come from the rows it keeps decoded: the
     # same values, in any order and with repeats; a returned row is a copy, and what it keeps stays
-    # within its bound
-    for ids in ([5], [5], [7, 5, 7], list(range(100, 100 + embedding.KEPT_ROWS // 2)), [9, 5]):
+    # within its bound, also when a call that needs kept rows overflows it
+    half = embedding.KEPT_ROWS // 2
+    overflow = [5, *range(2000, 2000 + half)]
+    for ids in ([5], [5], [7, 5, 7], list(range(100, 100 + half)), overflow, [9, 5]):
         rows = embedding(torch.tensor(ids))
         assert torch.equal(rows, weight[ids])
         rows.zero_()
