@@ -2,9 +2,10 @@
 runs when more than one request is active).
 
 Each sequence has its own KV cache. A pass takes every sequence's pending token and the tokens
-drafted for it from its own context (``BatchDrafter``: as many as pay, none without a drafter)
-at once (``ModelRunner.forward_many``: the linear layers over all rows, attention per row over
-its own sequence's keys), and each sequence keeps the longest prefix of its draft the target
+drafted for it from its own context or by the draft heads from the final hidden state of the
+row that made that token (``BatchDrafter``: as many as pay, none without a drafter) at once
+(``ModelRunner.forward_many``: the linear layers over all rows, attention per row over its own
+sequence's keys), and each sequence keeps the longest prefix of its draft the target
 agrees with plus the target's next token, with its own sampling and stop rule. Rows never mix
 and each gets the bits of a one-token pass, so a greedy sequence decodes to exactly the tokens it
 gets alone. Sequences join and leave between passes; a generation that ran alone,
@@ -58,6 +59,9 @@ class Sequence:
     # prompt tokens not yet in the cache (admit_sequence): the sequence reads them in chunks
     # before its first token; 0 once it decodes
     prompt_left: int = 0
+    # final hidden state [1, hidden] of the row that made the pending token (what head drafts
+    # read); None until a batch pass made it
+    hidden: torch.Tensor | None = None
 
     def draft_room(self) -> int:
         """Tokens a draft may hold: within max_new_tokens (the target adds one) and the cache."""
@@ -136,15 +140,22 @@ def step(
     started = time.perf_counter()
     logits = runner.forward_many(rows.caches, rows.tokens, rows.positions, rows.scored)
     seconds = time.perf_counter() - started
-    per_sequence = rows.split(logits)
+    per_sequence, states = rows.split(logits), rows.split(runner.last_rows_hidden)
+    sources = drafter.sources if drafter is not None else ["ngram"] * len(decoding)
     kept = []
-    for sequence, draft, scores in zip(decoding, drafts, per_sequence):
+    for sequence, draft, scores, source in zip(decoding, drafts, per_sequence, sources):
         m, token = _accept(sequence, draft, scores)
         kept.append(m)
-        sequence.gen.stats.record_round(len(draft), m, "ngram")
+        sequence.gen.stats.record_round(len(draft), m, source)
         sequence.gen.commit(draft[:m] + [token])
     for (sequence, n), scores in zip(reading, per_sequence[len(decoding) :]):
         _read_chunk(sequence, n, scores)
+    # the row that made each sequence's pending token: the row after its kept drafts, or its
+    # prompt's last row
+    for sequence, m, hidden in zip(decoding, kept, states):
+        sequence.hidden = hidden[m : m + 1].clone()
+    for (sequence, _), hidden in zip(reading, states[len(decoding) :]):
+        sequence.hidden = hidden[-1:].clone() if len(hidden) else None
     if drafter is not None:
         drafter.observe(drafts, kept, None if reading else seconds)
     return len(rows.tokens)
@@ -155,7 +166,11 @@ def _drafts(sequences: list[Sequence], drafter: BatchDrafter | None) -> list[lis
         return [[] for _ in sequences]
     for s in sequences:
         s.context.sync(s.gen.committed)
-    return drafter.propose([s.context for s in sequences], [s.draft_room() for s in sequences])
+    return drafter.propose(
+        [s.context for s in sequences],
+        [s.draft_room() for s in sequences],
+        [s.hidden for s in sequences],
+    )
 
 
 class _PassRows:

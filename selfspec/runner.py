@@ -91,6 +91,8 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.cache: KVCache | None = None
         self.last_hidden: torch.Tensor | None = None  # [rows, hidden]: the last pass's final states
+        # [scored rows, hidden]: the last forward_many's final states (what batch head drafts read)
+        self.last_rows_hidden: torch.Tensor | None = None
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
         self.head_rows = self.model.get_output_embeddings().out_features  # logits per token
         self.windows = {
@@ -137,9 +139,10 @@ class ModelRunner:
         sequence's cache ``caches[m]`` (a sequence's rows at consecutive positions, each seeing its
         cache up to its own position): logits [len(scored), vocab] of the rows ``scored`` (all
         rows if None). Every row gets the bits of its sequence's own one-token pass (rows never
-        mix), so batching changes no token."""
+        mix), so batching changes no token. The scored rows' final hidden states stay in
+        ``last_rows_hidden``."""
         a, m = self.adapter, len(tokens)
-        self.last_hidden = None  # rows of several sequences: nothing a draft head may read
+        self.last_hidden = None  # rows of several sequences: not one sequence's to draft from
         hidden = a.embed(torch.tensor(tokens, device=self.device).view(1, m))
         cos, sin = a.position_embeddings(
             hidden, torch.tensor(positions, device=self.device).view(1, m)
@@ -151,9 +154,10 @@ class ModelRunner:
             rows = a.fused[i].attention_many(rows, cos, sin, keys, values, positions)
             rows = a.fused[i].mlp(rows)
         if scored is not None:
-            if not scored:  # prompt rows only, none of them a prompt's last
-                return torch.empty(0, self.head_rows)
             rows = rows[scored]
+        self.last_rows_hidden = rows
+        if not len(rows):  # prompt rows only, none of them a prompt's last
+            return torch.empty(0, self.head_rows)
         return a.logits(rows.view(1, len(rows), -1))[0].float()
 
     def reset(self, max_len: int) -> None:

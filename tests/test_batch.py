@@ -133,6 +133,28 @@ def test_drafts_in_a_batch_keep_each_sequence_its_solo_tokens(engine):
     assert max(rows) > len(REPEATING)  # some pass held more rows than sequences
 
 
+def test_head_drafts_in_a_batch_keep_each_sequence_its_solo_tokens(engine):
+    """Sequences whose text offers no match draft with the draft heads, all sequences' guesses in
+    one chain (random heads here: guesses mostly wrong, every one checked): every sequence still
+    gets exactly its solo tokens, and the rounds say where their drafts came from."""
+    from test_heads import random_heads
+
+    from selfspec.drafters.heads import HeadDrafter
+
+    runner = engine.runner
+    hidden = runner.adapter.model.config.hidden_size
+    heads = HeadDrafter(runner, random_heads(hidden, 2, vocab_prefix=512), engine.eos_ids())
+    limits = [20, 9, 14]
+    expected = [_alone(engine, p, n) for p, n in zip(PROMPTS, limits)]
+    configs = [engine.decode_config(None, max_new_tokens=n) for n in limits]
+    drafter = BatchDrafter(planned=False, heads=heads)
+    results, rows = _run_batch(engine, PROMPTS, configs, drafter)
+    assert [generated for generated, _ in results] == expected
+    head_rounds = [stats.sources.get("heads", [0, 0, 0]) for _, stats in results]
+    assert all(rounds > 0 and drafted >= rounds for rounds, drafted, _ in head_rounds)
+    assert max(rows) > len(PROMPTS)
+
+
 def test_a_planned_batch_drafts_only_where_rows_pay():
     """With pass costs timed and acceptance measured, the batch drafter adds a sequence's draft
     tokens most likely first, and only while the expected tokens per second rise."""
@@ -157,6 +179,54 @@ def test_a_planned_batch_drafts_only_where_rows_pay():
     # pass: only the likely draft goes in
     assert drafts == [[8, 9], []]
     assert BatchDrafter(costs, {3: sure, 2: doubtful}).propose(contexts, [0, 8]) == [[], []]
+
+
+class _FixedGuesses:
+    """Head guesses with given chances (what ``HeadDrafter.guess_many`` returns), counting calls."""
+
+    def __init__(self, chains):
+        self.chains, self.calls = chains, 0
+
+    def guess_many(self, hidden, tokens, steps, going_on=0.0):
+        self.calls += 1
+        assert hidden.shape == (len(tokens), 4)
+        return [chain[:steps] for chain in self.chains[: len(tokens)]]
+
+
+def test_a_planned_batch_takes_head_guesses_only_where_rows_pay():
+    """Head guesses go in most likely first while a row costs less than the tokens it is expected
+    to bring; where even a certain guess could not pay, the heads are not run at all."""
+    import torch
+
+    from selfspec.drafters.adaptive import PassCosts
+    from selfspec.drafters.base import RoundOutcome
+    from selfspec.drafters.ngram import ContextIndex
+
+    contexts = [ContextIndex(), ContextIndex()]
+    contexts[0].sync([1, 2, 3])
+    contexts[1].sync([4, 5, 6])
+    hidden = [torch.zeros(1, 4), torch.zeros(1, 4)]
+    chains = [[(7, 0.95), (8, 0.9)], [(9, 0.3), (10, 0.1)]]
+
+    cheap = PassCosts()  # rows 3 and 4 cost almost nothing more than 2
+    for rows, seconds in [(1, 0.10), (2, 0.101), (3, 0.102), (4, 0.103), (5, 0.2), (6, 0.3)]:
+        cheap.record(RoundOutcome(rows - 1, 0, verify_seconds=seconds), 0)
+    heads = _FixedGuesses(chains)
+    drafter = BatchDrafter(cheap, heads=heads)
+    assert drafter.propose(contexts, [8, 8], hidden) == [[7, 8], []]
+    assert drafter.sources == ["heads", "heads"]
+    drafter.observe([[7, 8], []], [2, 0], None)
+    assert drafter.calibration.value > 1.0  # both kept, more than their chances promised
+
+    dear = PassCosts()  # every row as dear as a pass
+    for rows in range(1, 6):
+        dear.record(RoundOutcome(rows - 1, 0, verify_seconds=0.1 * rows), 0)
+    heads = _FixedGuesses(chains)
+    assert BatchDrafter(dear, heads=heads).propose(contexts, [8, 8], hidden) == [[], []]
+    assert heads.calls == 0
+    # no hidden state yet (a sequence that just joined): nothing to guess from
+    assert BatchDrafter(cheap, heads=heads).propose(contexts, [8, 8], [None, None]) == [[], []]
+    assert heads.calls == 0
 
 
 def test_prompts_read_in_chunks_inside_the_batch_give_solo_tokens(engine):

@@ -243,6 +243,33 @@ class HeadDrafter(Drafter):
                 probs.append(q)
         return Draft(tokens, torch.stack(probs) if probs else None, source=self.name)
 
+    def guess_many(
+        self, hidden: torch.Tensor, tokens: list[int], steps: int, going_on: float = 0.0
+    ) -> list[list[tuple[int, float]]]:
+        """Greedy chains for several sequences at once (a batch pass's drafts): ``hidden``
+        [S, hidden] holds the final hidden state of the row that made sequence i's pending token
+        ``tokens[i]``. Up to ``steps`` guesses each, with its chance (the product of the heads'
+        top probabilities so far); the chains stop together once no chance reaches ``going_on``.
+        Each step is one product and one pass of the output head over the draft's ids for all S
+        rows: about one sequence's cost."""
+        adapter = self.runner.adapter
+        normed = adapter.final_norm(hidden)
+        state, current = normed.float(), list(tokens)
+        chances = torch.ones(len(tokens))
+        chains: list[list[tuple[int, float]]] = [[] for _ in tokens]
+        for j in range(min(steps, len(self.heads))):
+            inputs = torch.cat([self._token_input(t) for t in current])
+            state = head_step(state, inputs, self.products[j])
+            logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0].float()
+            confidence, best = torch.softmax(logits, -1).max(-1)
+            chances = chances * confidence
+            current = [self.vocab.id_at(int(b)) for b in best]
+            for chain, token, chance in zip(chains, current, chances.tolist()):
+                chain.append((token, chance))
+            if float(chances.max()) < going_on:
+                break
+        return chains
+
     def _token_input(self, token: int) -> torch.Tensor:
         """``token_input`` of the token's embedding, kept: a text's tokens repeat, and the
         embedding lookup and its scaling are a few small torch calls each."""
