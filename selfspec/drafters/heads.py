@@ -214,8 +214,8 @@ class HeadDrafter(Drafter):
         if k <= 0 or hidden is None:
             return Draft()
         self.vocab.follow(request.committed)
-        adapter, greedy = self.runner.adapter, request.sampling.greedy
-        normed = adapter.final_norm(hidden)
+        greedy = request.sampling.greedy
+        normed = self.runner.adapter.final_norm(hidden)
         state, token, chance = normed.float(), request.committed[-1], 1.0
         tokens, probs = [], []
         for j in range(k):
@@ -223,8 +223,8 @@ class HeadDrafter(Drafter):
                 break  # not worth it even if this guess were certain: spare its head step
             self.last_steps += 1
             began = time.perf_counter()
-            state = head_step(state, self._token_input(token), self.products[j])
-            logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0, 0].float()
+            state, logits = self._link(j, state, self._token_input(token), normed.dtype)
+            logits = logits[0]  # the one row
             if greedy:
                 best = int(logits.argmax())
                 token, q = self.vocab.id_at(best), None
@@ -252,15 +252,13 @@ class HeadDrafter(Drafter):
         top probabilities so far); the chains stop together once no chance reaches ``going_on``.
         Each step is one product and one pass of the output head over the draft's ids for all S
         rows: about one sequence's cost."""
-        adapter = self.runner.adapter
-        normed = adapter.final_norm(hidden)
+        normed = self.runner.adapter.final_norm(hidden)
         state, current = normed.float(), list(tokens)
         chances = torch.ones(len(tokens))
         chains: list[list[tuple[int, float]]] = [[] for _ in tokens]
         for j in range(min(steps, len(self.heads))):
             inputs = torch.cat([self._token_input(t) for t in current])
-            state = head_step(state, inputs, self.products[j])
-            logits = adapter.normed_logits(state.to(normed.dtype)[None], self.vocab)[0].float()
+            state, logits = self._link(j, state, inputs, normed.dtype)
             confidence, best = torch.softmax(logits, -1).max(-1)
             chances = chances * confidence
             current = [self.vocab.id_at(int(b)) for b in best]
@@ -269,6 +267,13 @@ class HeadDrafter(Drafter):
             if float(chances.max()) < going_on:
                 break
         return chains
+
+    def _link(self, j: int, state: torch.Tensor, inputs: torch.Tensor, dtype: torch.dtype):
+        """Head j over states [S, hidden] fed ``inputs`` (``token_input`` of the tokens before the
+        guesses): the next states and their logits over the draft's ids [S, ids], float32."""
+        state = head_step(state, inputs, self.products[j])
+        logits = self.runner.adapter.normed_logits(state.to(dtype)[None], self.vocab)[0]
+        return state, logits.float()
 
     def _token_input(self, token: int) -> torch.Tensor:
         """``token_input`` of the token's embedding, kept: a text's tokens repeat, and the
