@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from selfspec.drafters.batched import BatchDrafter
+    from selfspec.prefixes import PrefixStore
     from selfspec.runner import KVCache, ModelRunner
 
 PREFILL_CHUNK = 64  # prompt rows a pass takes, so that the batch's other rows wait little
@@ -69,6 +70,11 @@ class Sequence:
         room = self.config.max_new_tokens - len(self.gen.generated) - 1
         return max(0, min(room, self.config.max_draft_tokens, self.cache.max_len - committed))
 
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose keys and values are in the cache: the prompt read so far, then every
+        token but the pending one."""
+        return self.gen.committed[: len(self.gen.committed) - (self.prompt_left or 1)]
+
     def finish(self) -> DecodeStats:
         stats = self.gen.stats
         stats.new_tokens = len(self.gen.generated)
@@ -83,17 +89,23 @@ def admit_sequence(
     config: DecodeConfig,
     tokenizer,
     on_tokens: Callable[[list[int]], None] | None = None,
+    prefixes: PrefixStore | None = None,
 ) -> Sequence:
-    """A new sequence with a cache of its own and its prompt still to read: ``step`` reads it in
-    chunks and commits its first token after the last chunk."""
+    """A new sequence with a cache of its own and its prompt still to read (past the longest
+    prefix ``prefixes`` holds): ``step`` reads it in chunks and commits its first token after
+    the last chunk."""
     check_request(prompt_ids, config, runner)
     started = time.perf_counter()
     # its prompt, its tokens and a draft past them
     cache = runner.new_cache(len(prompt_ids) + config.max_new_tokens + config.max_draft_tokens + 2)
     generator = make_generator(config, runner.device)
     stopper = Stopper(config, tokenizer)
-    gen = Generation(list(prompt_ids), [], DecodeStats(), stopper, on_tokens)
-    return Sequence(cache, gen, config, generator, started, prompt_left=len(prompt_ids))
+    stats = DecodeStats()
+    if prefixes is not None:
+        stats.cached_prompt_tokens = prefixes.restore(prompt_ids, cache)
+    gen = Generation(list(prompt_ids), [], stats, stopper, on_tokens)
+    left = len(prompt_ids) - stats.cached_prompt_tokens
+    return Sequence(cache, gen, config, generator, started, prompt_left=left)
 
 
 def resume_sequence(
@@ -157,7 +169,7 @@ def step(
     for (sequence, _), hidden in zip(reading, states[len(decoding) :]):
         sequence.hidden = hidden[-1:].clone() if len(hidden) else None
     if drafter is not None:
-        drafter.observe(drafts, kept, None if reading else seconds)
+        drafter.observe(drafts, kept, seconds, prompt_rows=sum(n for _, n in reading))
     return len(rows.tokens)
 
 
@@ -186,8 +198,7 @@ class _PassRows:
 
     def add(self, sequence: Sequence, tokens: list[int], scored: int) -> None:
         """``tokens`` of ``sequence``; its last ``scored`` rows need logits."""
-        # the pending token's position, or while reading the prompt its first unread token's
-        start = len(sequence.gen.committed) - (sequence.prompt_left or 1)
+        start = len(sequence.cached_tokens())
         first, n = len(self.tokens), len(tokens)
         self.caches += [sequence.cache] * n
         self.tokens += tokens

@@ -28,6 +28,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.sampling import Sampling, accept_greedy, accept_sampled, sample
 
 if TYPE_CHECKING:
+    from selfspec.prefixes import PrefixStore
     from selfspec.runner import ModelRunner
 
 
@@ -53,6 +54,7 @@ class DecodeStats:
     accepted: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values a PrefixStore gave
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     fell_back: bool = False  # drafting was paused at least once, slower than plain decoding
@@ -187,9 +189,12 @@ def check_request(prompt_ids: list[int], config: DecodeConfig, runner: ModelRunn
     )
 
 
-def prefill(runner: ModelRunner, prompt_ids: list[int], sampling: Sampling, generator) -> int:
-    """Run the prompt through the model; returns the first new token (not yet in the cache)."""
-    logits, _ = runner.forward(torch.tensor(prompt_ids), 0, last_logits_only=True)
+def prefill(
+    runner: ModelRunner, prompt_ids: list[int], sampling: Sampling, generator, cached: int = 0
+) -> int:
+    """Run the prompt through the model, past its first ``cached`` tokens (already in the cache);
+    returns the first new token (not yet in the cache)."""
+    logits, _ = runner.forward(torch.tensor(prompt_ids[cached:]), cached, last_logits_only=True)
     return sampling.pick(logits[-1], generator)
 
 
@@ -249,13 +254,17 @@ def begin_generation(
     tokenizer,
     on_tokens: Callable[[list[int]], None] | None,
     stats: DecodeStats,
+    prefixes: PrefixStore | None = None,
 ) -> tuple[Generation, torch.Generator | None]:
-    """Prefill ``prompt_ids`` over the runner's current cache and commit the first token: the
-    generation's state and its random generator (None when greedy)."""
+    """Prefill ``prompt_ids`` over the runner's current cache (past the longest prefix
+    ``prefixes`` holds) and commit the first token: the generation's state and its random
+    generator (None when greedy)."""
     generator = make_generator(config, runner.device)
     gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
     t0 = time.perf_counter()
-    first = prefill(runner, prompt_ids, config.sampling, generator)
+    if prefixes is not None:
+        stats.cached_prompt_tokens = prefixes.restore(prompt_ids, runner.cache)
+    first = prefill(runner, prompt_ids, config.sampling, generator, stats.cached_prompt_tokens)
     stats.prefill_seconds = time.perf_counter() - t0
     gen.commit([first])
     return gen, generator
@@ -269,13 +278,15 @@ def generate_ids(
     tokenizer=None,
     on_tokens: Callable[[list[int]], None] | None = None,
     pause: Callable[[], bool] | None = None,
+    prefixes: PrefixStore | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode up to max_new_tokens after ``prompt_ids``; with no drafter this is plain decoding.
 
     ``on_tokens`` is called with each batch of newly committed tokens, as soon as they are final.
     ``pause`` is asked after every round; when it says so the generation stops with stop reason
     "paused", its committed tokens' keys and values in the runner's cache, to be continued
-    elsewhere (``selfspec.batch.resume_sequence``).
+    elsewhere (``selfspec.batch.resume_sequence``). With ``prefixes`` the prompt's longest stored
+    prefix is not read again (``selfspec.prefixes``; only where the runner batches).
     """
     check_request(prompt_ids, config, runner)
     width = config.max_draft_tokens
@@ -289,7 +300,9 @@ def generate_ids(
         drafter.begin(prompt_ids, max_len, DraftSettings(threshold, fallback=config.fallback))
 
     t0 = time.perf_counter()
-    gen, generator = begin_generation(runner, prompt_ids, config, tokenizer, on_tokens, stats)
+    gen, generator = begin_generation(
+        runner, prompt_ids, config, tokenizer, on_tokens, stats, prefixes
+    )
     while not gen.stop:
         _round(runner, gen, config, drafter, generator)
         if not gen.stop and pause is not None and pause():

@@ -21,6 +21,7 @@ class Prompt:
     id: str
     category: str
     text: str
+    follow_up: str = ""  # the second turn, where the file has one (Spec-Bench's MT-bench rows)
 
 
 def _read_jsonl(path: Path) -> list[Prompt]:
@@ -56,11 +57,13 @@ def _read_jsonl(path: Path) -> list[Prompt]:
                 f"{path}, line {number}: no prompt found. Each row needs a non-empty 'turns' list "
                 "(Spec-Bench format) or a 'prompt' string."
             )
+        second = turns[1] if isinstance(turns, list) and len(turns) > 1 else ""
         prompts.append(
             Prompt(
                 str(row.get("question_id", row.get("id", number))),
                 str(row.get("category", "all")),
                 text,
+                second if isinstance(second, str) else "",
             )
         )
     if not prompts:

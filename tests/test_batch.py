@@ -181,6 +181,30 @@ def test_a_planned_batch_drafts_only_where_rows_pay():
     assert BatchDrafter(costs, {3: sure, 2: doubtful}).propose(contexts, [0, 8]) == [[], []]
 
 
+def test_a_batch_that_never_ran_alone_drafts_once_its_own_passes_are_timed():
+    """A server whose requests always come together never times a one-row pass; the batch's own
+    passes (prompt chunks included) fit a line of cost against rows, and drafting starts from it:
+    a row that costs a tenth of a four-row pass pays for a draft kept 90% of the time."""
+    from selfspec.drafters.adaptive import Acceptance, PassCosts
+    from selfspec.drafters.ngram import ContextIndex
+
+    sure = Acceptance(8)
+    for _ in range(40):
+        sure.record(3, 3)
+    drafter = BatchDrafter(PassCosts(), {3: sure})
+    contexts = [ContextIndex() for _ in range(4)]
+    contexts[0].sync([5, 6, 7, 8, 9, 10, 11, 5, 6, 7])
+    for i, context in enumerate(contexts[1:]):
+        context.sync([100 + i, 200 + i, 300 + i])
+    assert drafter.propose(contexts, [8] * 4) == [[]] * 4  # no pass timed yet
+    for n in range(16):  # four sequences decoding, every other pass reading 60 prompt rows
+        prompt_rows = 60 * (n % 2)
+        drafter.observe([[]] * 4, [0] * 4, 0.040 + 0.004 * (4 + prompt_rows), prompt_rows)
+    assert drafter.fit.cost(10) == pytest.approx(0.040 + 0.004 * 10)
+    drafts = drafter.propose(contexts, [8] * 4)
+    assert drafts[0][:3] == [8, 9, 10] and drafts[1:] == [[]] * 3
+
+
 class _FixedGuesses:
     """Head guesses with given chances (what ``HeadDrafter.guess_many`` returns), counting calls."""
 
@@ -251,3 +275,35 @@ def test_prompts_read_in_chunks_inside_the_batch_give_solo_tokens(engine):
         active = [(i, s) for i, s in active if not s.gen.stop]
     assert [done[i] for i in range(len(prompts))] == expected
     assert max(rows) > PREFILL_CHUNK  # a chunk and the others' rows shared a pass
+
+
+def test_prompts_read_past_a_stored_prefix_give_their_plain_tokens(engine):
+    """A later turn starts from the keys and values the turn before left in a PrefixStore, alone
+    (generate_ids) and in a batch (admit_sequence): it reads only the rest of its prompt and gets
+    exactly the tokens a fresh prefill gives."""
+    from selfspec.prefixes import PrefixStore
+
+    runner, tokenizer = engine.runner, engine.tokenizer
+    store = PrefixStore(budget_bytes=1 << 30)
+    first = engine.encode(PROMPTS[0])
+    config = engine.decode_config(None, max_new_tokens=20)
+    answer, stats = generate_ids(runner, first, config, None, tokenizer, prefixes=store)
+    assert stats.cached_prompt_tokens == 0
+    store.save((first + answer)[:-1], runner.cache)
+    later = first + answer + engine.encode("\n\ndef factorial(n):")[1:]
+    expected = _alone(engine, later, 24)
+    config = engine.decode_config(None, max_new_tokens=24)
+    again, stats = generate_ids(
+        runner, later, config, engine.self_drafter(), tokenizer, prefixes=store
+    )
+    assert stats.cached_prompt_tokens == len(first) + len(answer) - 1
+    assert again == expected
+    # in a batch, beside a sequence that shares nothing with the store
+    other = admit_sequence(runner, engine.encode(PROMPTS[1]), config, tokenizer, prefixes=store)
+    joined = admit_sequence(runner, later, config, tokenizer, prefixes=store)
+    assert other.prompt_left == len(engine.encode(PROMPTS[1]))
+    assert joined.prompt_left == len(later) - joined.gen.stats.cached_prompt_tokens
+    assert joined.gen.stats.cached_prompt_tokens >= len(first) + len(answer) - 1
+    while not joined.gen.stop:
+        step(runner, [s for s in (other, joined) if not s.gen.stop], BatchDrafter(planned=False))
+    assert joined.gen.generated == expected

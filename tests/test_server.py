@@ -135,6 +135,34 @@ def test_text_completion_and_usage(server):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 24
 
 
+def test_a_later_turn_reads_only_what_the_prefix_cache_lacks(server):
+    """The second turn of a conversation starts from the first turn's keys and values (its
+    prompt and answer): the usage block and /metrics count them, and the answer is the one a
+    prefill of the whole conversation gives."""
+    from selfspec.engine import Engine
+
+    client = _client(server)
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    first = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=16
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    before = _metrics(server)
+    later = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=16
+    )
+    cached = later.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens < cached < later.usage.prompt_tokens
+    spent = _metrics(server)["prompt_tokens_cached_total"] - before["prompt_tokens_cached_total"]
+    assert spent == cached
+    engine = Engine.load(MODEL)
+    fresh = engine.generate(engine.encode_messages(messages), max_new_tokens=16)
+    assert later.choices[0].message.content == fresh.text
+
+
 def test_stop_strings_end_the_text_before_them(server):
     client = _client(server)
     whole = _chat(client, "Count from 1 to 20, separated by commas.", 48).choices[0].message
@@ -306,7 +334,30 @@ def test_the_serving_bench_sends_each_streams_requests_in_turn():
     assert result["answers_identical_to_solo"] is True
     assert 4 <= result["completion_tokens"] <= 4 * 12
     assert result["together_engine_busy_seconds"] > 0
+    # each phase on a server of its own: the streams reuse the chat template's opening (left
+    # by the warm-up), never their own prompts asked alone
+    cached = result["together_prompt_tokens_cached"]
+    assert 0 < cached < result["together_prompt_tokens"] - 4
     requests = result["per_request"]
     assert len(requests) == 4
     assert sum(r["completion_tokens"] for r in requests) == result["completion_tokens"]
     assert all(r["prompt_tokens"] > 0 and r["together_seconds"] > 0 for r in requests)
+
+
+def test_the_turns_bench_finds_the_first_turn_in_the_prefix_cache():
+    """`python -m selfspec.bench.turns`: two-turn conversations on a server with the prefix cache
+    and on one without; the second turns reuse the first turns and answer the same."""
+    out = subprocess.run(
+        [sys.executable, "-m", "selfspec.bench.turns", "--model", MODEL, "--conversations", "2"]
+        + ["--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["conversations"] == 2 and result["answers_identical"] is True
+    for turn in result["per_conversation"]:
+        assert 8 < turn["cached_tokens"] < turn["prompt_tokens"]
+        assert 0 < turn["first_token_seconds"] <= turn["seconds"]

@@ -8,7 +8,9 @@ With ``--prompts-per-stream P`` each stream is a client that sends P requests on
 instead of shrinking as answers of different lengths end.
 
 It starts the server itself on a free loopback port (same model, speed mode and defaults as
-`selfspec serve`), waits for /health, runs the streams and stops it. Greedy requests, so every
+`selfspec serve`), waits for /health, runs the requests alone and stops it, then does the same
+for the streams on a fresh server (so the streams find nothing of the solo phase in the prefix
+cache). Greedy requests, so every
 concurrent answer must equal its solo answer (checked). Needs the `openai` package.
 
 From the server's /metrics it also splits each phase's engine time into prefill, passes of the
@@ -32,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 from selfspec.prompts import load_prompts
+from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
 
 def _free_port() -> int:
@@ -40,9 +43,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, speed: str, port: int) -> subprocess.Popen:
+def _start_server(model: str, speed: str, port: int, prefix_cache_mb: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", model, "--speed", speed]
     command += ["--port", str(port), "--queue-size", "64"]
+    command += ["--prefix-cache-mb", str(prefix_cache_mb)]
     env = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
     process = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
     for _ in range(1200):
@@ -95,22 +99,41 @@ def _together(
     return results, time.perf_counter() - start
 
 
-def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: list[str]) -> dict:
+def _on_a_server(model: str, speed: str, prefix_cache_mb: int, work):
+    """``work(client)`` on a server of its own, after a warm-up request: its result and the
+    server's counters before and after it."""
     from openai import OpenAI
 
     port = _free_port()
-    server = _start_server(model, speed, port)
+    server = _start_server(model, speed, port, prefix_cache_mb)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
         _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)
-        start = _server_counters(port)
-        alone = [_one(client, model, p, tokens) for p in prompts]
         before = _server_counters(port)
-        together, seconds = _together(client, model, prompts, tokens, streams)
-        after = _server_counters(port)
+        result = work(client)
+        return result, before, _server_counters(port)
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def bench_serving(
+    model: str,
+    speed: str,
+    streams: int,
+    tokens: int,
+    prompts: list[str],
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
+) -> dict:
+    """Each prompt alone, then the streams; each phase on a server of its own, so the streams'
+    requests find in the prefix cache only what their own phase left there (the chat
+    template's opening), not the same prompts asked alone before."""
+    alone, start, before = _on_a_server(
+        model, speed, prefix_cache_mb, lambda c: [_one(c, model, p, tokens) for p in prompts]
+    )
+    (together, seconds), middle, after = _on_a_server(
+        model, speed, prefix_cache_mb, lambda c: _together(c, model, prompts, tokens, streams)
+    )
     identical = all(a["text"] == t["text"] for a, t in zip(alone, together))
     alone_median = statistics.median(a["tok_s"] for a in alone)
     per_stream = [t["tok_s"] / a["tok_s"] for a, t in zip(alone, together)]
@@ -131,7 +154,7 @@ def bench_serving(model: str, speed: str, streams: int, tokens: int, prompts: li
         # where the together phase's time went, from the server's own counters
         "together_seconds": round(seconds, 3),
         **_engine_split(start, before, "alone"),
-        **_engine_split(before, after, "together"),
+        **_engine_split(middle, after, "together"),
         # each request: its prompt, its answer, and its seconds alone and among the streams
         "per_request": [
             {
@@ -169,6 +192,8 @@ def _engine_split(before: dict[str, float], after: dict[str, float], phase: str)
         "batch_rows_per_step": round(spent["batch_rows_total"] / steps, 2) if steps else 0,
         "batch_step_ms": round(1000 * batch / steps, 1) if steps else 0,
         "passes": int(spent["target_passes_total"]),
+        "prompt_tokens": int(spent["prompt_tokens_total"]),
+        "prompt_tokens_cached": int(spent["prompt_tokens_cached_total"]),
     }
     return {f"{phase}_{name}": value for name, value in split.items()}
 
@@ -186,10 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="requests each stream sends one after another (default 1)",
     )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help=f"the server's prefix cache (default {DEFAULT_PREFIX_CACHE_MB}; 0: off)",
+    )
     parser.add_argument("--out", default=None, help="write the result as JSON here too")
     args = parser.parse_args(argv)
     if min(args.streams, args.max_tokens, args.prompts_per_stream) < 1:
         parser.error("--streams, --max-tokens and --prompts-per-stream must be at least 1")
+    if args.prefix_cache_mb < 0:
+        parser.error("--prefix-cache-mb must be 0 (off) or more")
     wanted = args.streams * args.prompts_per_stream
     prompts = load_prompts(args.prompts)
     # one category after another, so that each stream gets a mix
@@ -200,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = mixed[:wanted]
     if len(chosen) < wanted:
         parser.error(f"{args.prompts} holds {len(chosen)} prompts; {wanted} are needed")
+    texts = [p.text for p in chosen]
     result = bench_serving(
-        args.model, args.speed, args.streams, args.max_tokens, [p.text for p in chosen]
+        args.model, args.speed, args.streams, args.max_tokens, texts, args.prefix_cache_mb
     )
     text = json.dumps(result, indent=2)
     print(text)

@@ -6,8 +6,9 @@ row, which the target keeps with the probability measured for context drafts of 
 length, or for a head guess the heads' own confidence scaled by how far it has come true. Rows
 cost little while a pass is memory-bound and about a row's arithmetic once it is not, so the
 drafter weighs every candidate token of every sequence together: it takes them most likely first
-and stops at the total row count with the most expected tokens per second, from the pass costs
-timed on this machine. A sequence's draft is always a prefix of its match or of its heads' chain.
+and stops at the total row count with the most expected tokens per second, from the batch's own
+passes (``RowCostFit``; the solo drafter's timings until enough are in). A sequence's draft is
+always a prefix of its match or of its heads' chain.
 
 Head guesses come from the final hidden state of the row that made each sequence's pending token
 (the pass before), all sequences' chains computed together (``HeadDrafter.guess_many``): a step
@@ -17,6 +18,8 @@ one sequence at a time, which a batch pass exists to avoid.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +40,44 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 32  # rows of one batch pass, pending tokens and drafts together
 _MAX_TOKENS = 8  # drafted tokens per sequence and pass
+_FIT_PASSES = 96  # batch passes the row-cost fit remembers
+_FIT_MIN_PASSES = 16
+
+
+class RowCostFit:
+    """Seconds of a batch pass as ``a + b * rows``, fitted over the batch's latest passes
+    (prompt chunks included): each row count's median time, weighted by how often it was timed.
+    Past a few rows a pass costs about its rows' arithmetic, so one line holds from the few rows
+    of decoding to the many of a prompt chunk; a multiple per row count, timed apart, would
+    be noisy where rarely timed. Unready (None) until the passes span a few row counts."""
+
+    def __init__(self) -> None:
+        self.passes: deque[tuple[int, float]] = deque(maxlen=_FIT_PASSES)
+        self._line: tuple[float, float] | None = None
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.passes.append((rows, seconds))
+        self._line = self._fit()
+
+    def cost(self, rows: int) -> float | None:
+        if self._line is None:
+            return None
+        a, b = self._line
+        return a + b * rows
+
+    def _fit(self) -> tuple[float, float] | None:
+        by_rows: dict[int, list[float]] = {}
+        for rows, seconds in self.passes:
+            by_rows.setdefault(rows, []).append(seconds)
+        if len(self.passes) < _FIT_MIN_PASSES or max(by_rows) - min(by_rows) < 3:
+            return None
+        points = [(r, statistics.median(t), len(t)) for r, t in by_rows.items()]
+        weight = sum(w for _, _, w in points)
+        mean_r = sum(r * w for r, _, w in points) / weight
+        mean_t = sum(t * w for _, t, w in points) / weight
+        spread = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+        slope = max(0.0, sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread)
+        return max(0.0, mean_t - slope * mean_r), slope
 
 
 class BatchDrafter:
@@ -61,6 +102,7 @@ class BatchDrafter:
         self.max_tokens, self.planned = max_tokens, planned
         self.heads = heads
         self.calibration = calibration if calibration is not None else Calibration()
+        self.fit = RowCostFit()  # this batch's own passes
         self.sources: list[str] = []  # "ngram" or "heads": where each sequence's draft came from
         self._lengths: list[int] = []  # n-gram length behind each sequence's draft this pass
         self._chances: list[list[float]] = []  # each head draft's chances (its tokens')
@@ -104,7 +146,12 @@ class BatchDrafter:
             for j in range(len(match.tokens)):
                 survive *= acceptance.rate(j)
                 candidates.append((survive, i))
-        chances = self._head_guesses(contexts, limits, hidden, matches, proposals, candidates)
+        chances: list[list[float]] = [[] for _ in contexts]  # each head draft's chances
+        scale = self.calibration.value
+        for i, chain in self._head_guesses(contexts, limits, hidden, matches).items():
+            proposals[i] = [token for token, _ in chain]
+            chances[i] = [chance for _, chance in chain]
+            candidates += [(scale * chance, i) for chance in chances[i]]
         # Stable: within a sequence P(kept) never rises, so every sequence keeps a prefix.
         candidates.sort(key=lambda c: -c[0])
         taken = self._rows_worth_adding(candidates, len(contexts))
@@ -115,10 +162,15 @@ class BatchDrafter:
         self._chances = [c[:n] for c, n in zip(chances, counts)]
         return [p[:n] for p, n in zip(proposals, counts)]
 
-    def _head_guesses(self, contexts, limits, hidden, matches, proposals, candidates):
-        """Head guesses for the sequences without a match, into ``proposals`` and ``candidates``;
-        each sequence's chances (empty where it has none)."""
-        chances: list[list[float]] = [[] for _ in contexts]
+    def _head_guesses(
+        self,
+        contexts: list[ContextIndex],
+        limits: list[int],
+        hidden: list[torch.Tensor | None] | None,
+        matches: list,
+    ) -> dict[int, list[tuple[int, float]]]:
+        """The heads' chains of (token, chance) for the sequences without a match, by sequence
+        (none where even a certain guess could not pay)."""
         wanting = [
             i
             for i, (match, limit) in enumerate(zip(matches, limits))
@@ -126,26 +178,21 @@ class BatchDrafter:
         ]
         scale, going_on = self.calibration.value, self._least_paying_chance(len(contexts))
         if self.heads is None or not wanting or going_on >= scale:
-            return chances  # no head, or even a certain guess would not pay
+            return {}  # no head, or even a certain guess would not pay
         chains = self.heads.guess_many(
             torch.cat([hidden[i] for i in wanting]),
             [contexts[i].tokens[-1] for i in wanting],
             min(self.max_tokens, max(limits[i] for i in wanting)),
             going_on / scale,
         )
-        for i, chain in zip(wanting, chains):
-            chain = chain[: limits[i]]
-            proposals[i] = [token for token, _ in chain]
-            chances[i] = [chance for _, chance in chain]
-            candidates += [(scale * chance, i) for chance in chances[i]]
-        return chances
+        return {i: chain[: limits[i]] for i, chain in zip(wanting, chains)}
 
     def _least_paying_chance(self, batch: int) -> float:
         """The chance below which one more row cannot pay in a pass of ``batch`` rows (each row
         emits a token): the tokens it adds must outgrow the pass's cost. 0 when not planned."""
         if not self.planned:
             return 0.0
-        base, more = self.costs.verify_cost(batch), self.costs.verify_cost(batch + 1)
+        base, more = self._pass_cost(batch), self._pass_cost(batch + 1)
         if base is None or more is None:
             return 2.0  # time a pass first
         return batch * (more / base - 1.0)
@@ -155,17 +202,30 @@ class BatchDrafter:
         room = max(0, MAX_ROWS - batch)
         if not self.planned or not candidates:
             return min(len(candidates), room)
-        if self.costs.verify_cost(batch) is None:
+        if self._pass_cost(batch) is None:
             return 0  # time a pass first
         gains = [p for p, _ in candidates[:room]]
-        return most_tokens_per_second(gains, lambda n: self.costs.verify_cost(batch + n), batch)
+        return most_tokens_per_second(gains, lambda n: self._pass_cost(batch + n), batch)
 
-    def observe(self, drafts: list[list[int]], kept: list[int], seconds: float | None) -> None:
-        """The pass's outcome: each sequence's draft and how many of it the target kept, and the
-        pass's time (None: the pass held other rows too, prompt chunks, so its time says nothing
-        about these rows' cost)."""
+    def _pass_cost(self, rows: int) -> float | None:
+        """Seconds of a batch pass over ``rows`` rows: the fit over this batch's passes, or
+        before it is ready the pass costs timed alone."""
+        fitted = self.fit.cost(rows)
+        return fitted if fitted is not None else self.costs.verify_cost(rows)
+
+    def observe(
+        self,
+        drafts: list[list[int]],
+        kept: list[int],
+        seconds: float | None,
+        prompt_rows: int = 0,
+    ) -> None:
+        """The pass's outcome: each sequence's draft and how many of it the target kept, the
+        pass's time (None: untimed) and the prompt rows it read beside them."""
         rows = sum(len(d) + 1 for d in drafts)
-        if seconds is not None and rows:
+        if seconds is not None and rows + prompt_rows:
+            self.fit.record(rows + prompt_rows, seconds)
+        if seconds is not None and rows and not prompt_rows:  # a pass solo decoding can meet
             self.costs.record(RoundOutcome(rows - 1, 0, verify_seconds=seconds), 0)
         for draft, m, n, chances in zip(drafts, kept, self._lengths, self._chances):
             if draft and chances:

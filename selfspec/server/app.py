@@ -156,7 +156,7 @@ async def _complete(service: Service, body, request: Request, chat: bool):
                 raise APIError(500, str(data), kind="server_error")
             if kind == "done":
                 text, finish, stats = data
-                use = wire.usage(len(prompt_ids), stats.new_tokens)
+                use = wire.usage(len(prompt_ids), stats.new_tokens, stats.cached_prompt_tokens)
                 if chat:
                     return wire.chat_response(rid, service.model_name, text, finish, use)
                 return wire.text_response(rid, service.model_name, text, finish, use)
@@ -196,7 +196,7 @@ async def _stream(service, job: Job, events, rid: str, prompt_len: int, chat: bo
                 break
             else:
                 _text, finish, stats = data
-                use = wire.usage(prompt_len, stats.new_tokens)
+                use = wire.usage(prompt_len, stats.new_tokens, stats.cached_prompt_tokens)
                 last = (
                     wire.chat_chunk(rid, model, {}, finish)
                     if chat

@@ -5,9 +5,11 @@
 then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs
 with the default drafter (context n-gram and layer-skip drafts, chosen each round); concurrent
 requests share passes: each pass scores every request's next token and the tokens drafted for it
-from its own text (selfspec.batch). Requests wait in a bounded
-queue and a full queue answers 503. At most --max-batch requests are generated at once. SIGTERM or
-Ctrl-C stops accepting, ends what runs and what waits with an error event, and shuts down.
+from its own text (selfspec.batch). A request whose prompt starts with tokens an earlier one
+read (a system prompt, a conversation's earlier turns) reads only the rest (--prefix-cache-mb,
+selfspec.prefixes). Requests wait in a bounded queue and a full queue answers 503. At most
+--max-batch requests are generated at once. SIGTERM or Ctrl-C stops accepting, ends what runs
+and what waits with an error event, and shuts down.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ DEFAULT_PORT = 8000
 DEFAULT_QUEUE = 16
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 1024
+DEFAULT_PREFIX_CACHE_MB = 512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_TOKENS,
         help=f"new tokens when a request names no max_tokens (default {DEFAULT_MAX_TOKENS})",
     )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for finished requests' keys and values, so a request that starts with the "
+        "same tokens (a system prompt, the turns before it) reads only the rest; 0 turns it off "
+        f"(default {DEFAULT_PREFIX_CACHE_MB})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--max-batch", args.max_batch, 1)
     check_at_least("--max-tokens", args.max_tokens, 1)
     check_at_least("--port", args.port, 0)
+    check_at_least("--prefix-cache-mb", args.prefix_cache_mb, 0)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
-    scheduler = Scheduler(engine, drafter, args.queue_size, args.max_batch)
+    scheduler = Scheduler(
+        engine, drafter, args.queue_size, args.max_batch, args.prefix_cache_mb << 20
+    )
     service = Service(engine, scheduler, args.served_name or args.model, args.max_tokens)
     app = create_app(service)
     app.router.on_shutdown.append(scheduler.stop)

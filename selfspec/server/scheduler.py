@@ -75,6 +75,7 @@ class Metrics:
     cancelled: int = 0
     failed: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
     completion_tokens: int = 0
     target_passes: int = 0
     drafted: int = 0
@@ -99,6 +100,12 @@ class Metrics:
             ("requests_cancelled_total", "counter", "clients gone before the end", self.cancelled),
             ("requests_failed_total", "counter", "ended by an error", self.failed),
             ("prompt_tokens_total", "counter", "prompt tokens read", self.prompt_tokens),
+            (
+                "prompt_tokens_cached_total",
+                "counter",
+                "prompt tokens whose keys and values the prefix cache gave",
+                self.prompt_tokens_cached,
+            ),
             ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
             ("target_passes_total", "counter", "full-model passes", self.target_passes),
             ("drafted_tokens_total", "counter", "tokens drafted", self.drafted),
@@ -165,18 +172,29 @@ class Scheduler:
     next token and the tokens drafted for it from its own text (``selfspec.batch``; no drafts
     when the server runs without a drafter), jobs joining and leaving between passes. Where the
     runner cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
-    At most ``max_batch`` jobs run at once; the others wait in the queue."""
+    At most ``max_batch`` jobs run at once; the others wait in the queue. Where the runner
+    batches, a finished job's keys and values stay in a prefix cache of ``prefix_cache_bytes``
+    (``selfspec.prefixes``), and a job whose prompt starts the same way reads only the rest."""
 
     def __init__(
-        self, engine: Engine, drafter: Drafter | None, queue_size: int, max_batch: int = 8
+        self,
+        engine: Engine,
+        drafter: Drafter | None,
+        queue_size: int,
+        max_batch: int = 8,
+        prefix_cache_bytes: int = 0,
     ):
         from selfspec.drafters.batched import BatchDrafter
+        from selfspec.prefixes import PrefixStore
 
         self.engine, self.drafter = engine, drafter
         # shares the solo drafter's pass costs and context-draft acceptance
         self.batch_drafter = BatchDrafter.following(drafter) if drafter is not None else None
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.max_batch = max_batch
+        # rows are the same bits whichever pass wrote them only where the runner batches
+        keep = engine.runner.can_batch and prefix_cache_bytes > 0
+        self.prefixes = PrefixStore(prefix_cache_bytes) if keep else None
         self.metrics = Metrics()
         self.batch: list[_Running] = []
         self.solo: Job | None = None
@@ -291,6 +309,7 @@ class Scheduler:
                 self.engine.tokenizer,
                 on_tokens=stream,
                 pause=pause,
+                prefixes=self.prefixes,
             )
         except Exception as exc:  # the request fails, the server goes on
             self._fail(job, exc)
@@ -300,6 +319,8 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count(cancelled=1)
         elif stats.stop_reason != "paused":
+            if self.prefixes is not None:  # the runner's cache holds all but the pending token
+                self.prefixes.save((job.prompt_ids + generated)[:-1], runner.cache)
             self._done(job, trimmer, stats)
         else:
             sequence = resume_sequence(
@@ -330,6 +351,7 @@ class Scheduler:
                 job.config,
                 self.engine.tokenizer,
                 on_tokens=self._emitter(job, trimmer),
+                prefixes=self.prefixes,
             )
         except Exception as exc:
             self._fail(job, exc)
@@ -362,6 +384,8 @@ class Scheduler:
         )
         for running in [r for r in self.batch if r.sequence.gen.stop]:
             self.batch.remove(running)
+            if self.prefixes is not None:
+                self.prefixes.save(running.sequence.cached_tokens(), running.sequence.cache)
             stats = running.sequence.finish()
             self._done(running.job, running.trimmer, stats, running.prefilled_apart)
 
@@ -375,6 +399,7 @@ class Scheduler:
         self._count(
             requests=1,
             prompt_tokens=len(job.prompt_ids),
+            prompt_tokens_cached=stats.cached_prompt_tokens,
             completion_tokens=stats.new_tokens,
             target_passes=stats.target_passes + 1,  # the prefill gave the first token
             drafted=stats.drafted,

@@ -1,0 +1,65 @@
+"""The prefix cache's bookkeeping (selfspec.prefixes) on plain caches: which prefix it restores,
+what it copies, what it drops. That a restored prefix decodes to the tokens a fresh prefill gives
+is tested with real models in tests/test_batch.py and tests/test_server.py."""
+
+from __future__ import annotations
+
+import torch
+
+from selfspec.prefixes import PrefixStore
+from selfspec.runner import KVCache
+
+LAYERS, HEADS, DIM = 3, 2, 4
+PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4  # keys and values, float32
+
+
+def _filled(tokens: list[int], max_len: int = 32) -> KVCache:
+    """A cache whose row at each position holds that position's token (and the layer), so a
+    copied row says where it came from."""
+    cache = KVCache(LAYERS, HEADS, DIM, max_len, torch.float32, "cpu")
+    for i in range(LAYERS):
+        keys, values = cache.layer(i)
+        for pos, token in enumerate(tokens):
+            keys[:, pos] = token + 1000 * i
+            values[:, pos] = -(token + 1000 * i)
+    return cache
+
+
+def _rows(cache: KVCache, n: int) -> list[float]:
+    return [float(cache.layer(1)[0][0, p, 0]) - 1000 for p in range(n)]
+
+
+def test_the_longest_stored_prefix_is_restored_but_never_the_prompts_last_token():
+    store = PrefixStore(budget_bytes=10**6)
+    store.save([1, 2, 3, 4], _filled([1, 2, 3, 4]))
+    store.save([1, 2, 7], _filled([1, 2, 7]))
+    fresh = KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu")
+    assert store.restore([1, 2, 3, 9, 9], fresh) == 3
+    assert _rows(fresh, 4) == [1, 2, 3, -1000]  # position 3 untouched
+    assert float(fresh.layer(2)[1][1, 2, 3]) == -2003  # every layer, keys and values
+    whole = KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu")
+    assert store.restore([1, 2, 3, 4], whole) == 3  # the last row must be scored
+    assert store.restore([5, 1, 2], whole) == 0
+
+
+def test_an_extended_entry_is_dropped_and_the_least_recently_used_goes_first():
+    store = PrefixStore(budget_bytes=10 * PER_TOKEN)
+    store.save([1, 2, 3], _filled([1, 2, 3]))
+    store.save([1, 2, 3, 4, 5], _filled([1, 2, 3, 4, 5]))  # extends the first
+    assert [e.tokens.tolist() for e in store.entries] == [[1, 2, 3, 4, 5]]
+    store.save([1, 2], _filled([1, 2]))  # held already
+    assert len(store.entries) == 1
+    store.save([8, 9, 10], _filled([8, 9, 10]))
+    store.restore([1, 2, 3, 6], KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu"))
+    store.save([20, 21, 22, 23], _filled([20, 21, 22, 23]))  # 12 tokens > 10: [8, 9, 10] goes
+    assert [e.tokens[0].item() for e in store.entries] == [1, 20]
+    assert store.nbytes <= store.budget_bytes
+    store.save(list(range(40, 60)), _filled(list(range(40, 60))))  # alone past the budget
+    assert [e.tokens.tolist() for e in store.entries] == [list(range(40, 50))]
+
+
+def test_a_store_without_budget_keeps_nothing():
+    store = PrefixStore(budget_bytes=0)
+    store.save([1, 2, 3], _filled([1, 2, 3]))
+    assert store.entries == []
+    assert store.restore([1, 2, 3, 4], _filled([])) == 0
