@@ -169,7 +169,9 @@ def step(
     for (sequence, _), hidden in zip(reading, states[len(decoding) :]):
         sequence.hidden = hidden[-1:].clone() if len(hidden) else None
     if drafter is not None:
-        drafter.observe(drafts, kept, seconds, prompt_rows=sum(n for _, n in reading))
+        # a prompt row needs no logits: it costs a scored row less the output head
+        prompt_rows = sum(n for _, n in reading) * (1.0 - runner.head_share)
+        drafter.observe(drafts, kept, seconds, prompt_rows)
     return len(rows.tokens)
 
 

@@ -262,7 +262,7 @@ def begin_generation(
     generator = make_generator(config, runner.device)
     gen = Generation(list(prompt_ids), [], stats, Stopper(config, tokenizer), on_tokens)
     t0 = time.perf_counter()
-    if prefixes is not None:
+    if prefixes is not None and runner.can_batch:  # elsewhere a row's bits depend on its pass
         stats.cached_prompt_tokens = prefixes.restore(prompt_ids, runner.cache)
     first = prefill(runner, prompt_ids, config.sampling, generator, stats.cached_prompt_tokens)
     stats.prefill_seconds = time.perf_counter() - t0

@@ -68,18 +68,17 @@ class PrefixStore:
         ``cache`` (as many as fit in the budget)."""
         if not token_ids or self.budget_bytes <= 0:
             return
-        tokens = torch.tensor(token_ids, dtype=torch.long)
+        keys, _ = cache.layer(0)
+        per_token = 2 * keys[:, :1].nbytes * len(cache.keys)
+        n = min(len(token_ids), self.budget_bytes // per_token)
+        if n == 0:
+            return
+        tokens = torch.tensor(token_ids[:n], dtype=torch.long)
         for entry in self.entries:
-            if _shared_length(entry.tokens, tokens) == len(tokens):  # stored already
+            if _shared_length(entry.tokens, tokens) == n:  # stored already
                 self.entries.remove(entry)
                 self.entries.append(entry)
                 return
-        keys, _ = cache.layer(0)
-        per_token = 2 * keys[:, :1].nbytes * len(cache.keys)
-        n = min(len(tokens), self.budget_bytes // per_token)
-        if n == 0:
-            return
-        tokens = tokens[:n].clone()
         layers = []
         for i in range(len(cache.keys)):
             keys, values = cache.layer(i)

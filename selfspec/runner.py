@@ -100,6 +100,20 @@ class ModelRunner:
         }  # None: full attention
 
     @property
+    def head_share(self) -> float:
+        """The output head's share of a scored row's multiply-adds (a prompt row that needs no
+        logits skips it); 0 where the config does not say."""
+        config, a = self.model.config, self.adapter
+        hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if inner is None or heads is None:
+            return 0.0
+        q, kv = heads * a.head_dim, a.num_kv_heads * a.head_dim
+        layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inner  # q, o, k, v; gate, up, down
+        head = self.head_rows * hidden
+        return head / (head + self.num_layers * layer)
+
+    @property
     def can_batch(self) -> bool:
         """Whether ``forward_many`` runs here: fused kernel layers and full attention only."""
         return self.adapter.fused is not None and self.windows == {None}

@@ -203,6 +203,13 @@ def test_a_batch_that_never_ran_alone_drafts_once_its_own_passes_are_timed():
     assert drafter.fit.cost(10) == pytest.approx(0.040 + 0.004 * 10)
     drafts = drafter.propose(contexts, [8] * 4)
     assert drafts[0][:3] == [8, 9, 10] and drafts[1:] == [[]] * 3
+    # timings that fall as rows grow, or that leave no cost per pass, are noise: no line
+    for rows, seconds in [(4, 0.06), (20, 0.05)] * 50:
+        drafter.fit.record(rows, seconds)
+    assert drafter.fit.cost(10) is None
+    for rows in [4, 20] * 50:
+        drafter.fit.record(rows, 0.01 * rows - 0.001)
+    assert drafter.fit.cost(10) is None
 
 
 class _FixedGuesses:

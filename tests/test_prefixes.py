@@ -56,6 +56,8 @@ def test_an_extended_entry_is_dropped_and_the_least_recently_used_goes_first():
     assert store.nbytes <= store.budget_bytes
     store.save(list(range(40, 60)), _filled(list(range(40, 60))))  # alone past the budget
     assert [e.tokens.tolist() for e in store.entries] == [list(range(40, 50))]
+    store.save(list(range(40, 58)), _filled(list(range(40, 58))))  # cut to what it holds
+    assert [e.tokens.tolist() for e in store.entries] == [list(range(40, 50))]
 
 
 def test_a_store_without_budget_keeps_nothing():

@@ -317,19 +317,23 @@ def test_sigterm_shuts_down_cleanly(server):
     assert "Traceback" not in server["log"].read_text()
 
 
-def test_the_serving_bench_sends_each_streams_requests_in_turn():
-    """`python -m selfspec.bench.serving` against its own real server: 2 streams of 2 requests
-    each, every prompt asked alone and then within its stream; greedy answers must agree."""
+def _bench(name: str, *args: str) -> dict:
+    """What `python -m selfspec.bench.NAME --model MODEL ARGS` prints, read as JSON."""
     out = subprocess.run(
-        [sys.executable, "-m", "selfspec.bench.serving", "--model", MODEL, "--streams", "2"]
-        + ["--prompts-per-stream", "2", "--max-tokens", "12"],
+        [sys.executable, "-m", f"selfspec.bench.{name}", "--model", MODEL, *args],
         capture_output=True,
         text=True,
         env=ENV,
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_the_serving_bench_sends_each_streams_requests_in_turn():
+    """`python -m selfspec.bench.serving` against its own real server: 2 streams of 2 requests
+    each, every prompt asked alone and then within its stream; greedy answers must agree."""
+    result = _bench("serving", "--streams", "2", "--prompts-per-stream", "2", "--max-tokens", "12")
     assert result["requests"] == 4 and result["streams"] == 2
     assert result["answers_identical_to_solo"] is True
     assert 4 <= result["completion_tokens"] <= 4 * 12
@@ -347,16 +351,7 @@ def test_the_serving_bench_sends_each_streams_requests_in_turn():
 def test_the_turns_bench_finds_the_first_turn_in_the_prefix_cache():
     """`python -m selfspec.bench.turns`: two-turn conversations on a server with the prefix cache
     and on one without; the second turns reuse the first turns and answer the same."""
-    out = subprocess.run(
-        [sys.executable, "-m", "selfspec.bench.turns", "--model", MODEL, "--conversations", "2"]
-        + ["--max-tokens", "8"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
+    result = _bench("turns", "--conversations", "2", "--max-tokens", "8")
     assert result["conversations"] == 2 and result["answers_identical"] is True
     for turn in result["per_conversation"]:
         assert 8 < turn["cached_tokens"] < turn["prompt_tokens"]

@@ -33,8 +33,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from selfspec.prompts import load_prompts
+from selfspec.prompts import Prompt, load_prompts
 from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
+
+
+def categories_in_turn(prompts: list[Prompt]) -> list[Prompt]:
+    """The prompts reordered one category after another: the first of each, the second..."""
+    by_category: dict[str, list] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    return [p for group in itertools.zip_longest(*by_category.values()) for p in group if p]
 
 
 def _free_port() -> int:
@@ -225,12 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prefix-cache-mb must be 0 (off) or more")
     wanted = args.streams * args.prompts_per_stream
     prompts = load_prompts(args.prompts)
-    # one category after another, so that each stream gets a mix
-    by_category: dict[str, list] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    mixed = [p for group in itertools.zip_longest(*by_category.values()) for p in group if p]
-    chosen = mixed[:wanted]
+    chosen = categories_in_turn(prompts)[:wanted]  # so that each stream gets a mix
     if len(chosen) < wanted:
         parser.error(f"{args.prompts} holds {len(chosen)} prompts; {wanted} are needed")
     texts = [p.text for p in chosen]

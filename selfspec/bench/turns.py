@@ -13,14 +13,13 @@ conversation: the first turn, then the second with the first's answer in its his
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from selfspec.bench.serving import _on_a_server
+from selfspec.bench.serving import _on_a_server, categories_in_turn
 from selfspec.prompts import load_prompts
 from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
@@ -104,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.conversations, args.max_tokens, args.prefix_cache_mb) < 1:
         parser.error("--conversations, --max-tokens and --prefix-cache-mb must be at least 1")
-    two_turn = [p for p in load_prompts("spec-bench") if p.follow_up]
-    by_category: dict[str, list] = {}
-    for prompt in two_turn:
-        by_category.setdefault(prompt.category, []).append(prompt)
-    mixed = [p for group in itertools.zip_longest(*by_category.values()) for p in group if p]
+    mixed = categories_in_turn([p for p in load_prompts("spec-bench") if p.follow_up])
     if len(mixed) < args.conversations:
         parser.error(f"Spec-Bench holds {len(mixed)} two-turn conversations")
     chosen = mixed[: args.conversations]

@@ -46,27 +46,29 @@ _FIT_MIN_PASSES = 16
 
 class RowCostFit:
     """Seconds of a batch pass as ``a + b * rows``, fitted over the batch's latest passes
-    (prompt chunks included): each row count's median time, weighted by how often it was timed.
-    Past a few rows a pass costs about its rows' arithmetic, so one line holds from the few rows
-    of decoding to the many of a prompt chunk; a multiple per row count, timed apart, would
-    be noisy where rarely timed. Unready (None) until the passes span a few row counts."""
+    (prompt chunks included, their rows counted as the share of a scored row they cost): each
+    row count's median time, weighted by how often it was timed. Past a few rows a pass costs
+    about its rows' arithmetic, so one line holds from the few rows of decoding to the many of
+    a prompt chunk; a multiple per row count, timed apart, would be noisy where rarely timed.
+    Unready (None) until the passes span a few row counts and give a line that rises from a
+    positive cost (a fixed cost per pass and a cost per row): anything else is noise."""
 
     def __init__(self) -> None:
-        self.passes: deque[tuple[int, float]] = deque(maxlen=_FIT_PASSES)
+        self.passes: deque[tuple[float, float]] = deque(maxlen=_FIT_PASSES)
         self._line: tuple[float, float] | None = None
 
-    def record(self, rows: int, seconds: float) -> None:
+    def record(self, rows: float, seconds: float) -> None:
         self.passes.append((rows, seconds))
         self._line = self._fit()
 
-    def cost(self, rows: int) -> float | None:
+    def cost(self, rows: float) -> float | None:
         if self._line is None:
             return None
         a, b = self._line
         return a + b * rows
 
     def _fit(self) -> tuple[float, float] | None:
-        by_rows: dict[int, list[float]] = {}
+        by_rows: dict[float, list[float]] = {}
         for rows, seconds in self.passes:
             by_rows.setdefault(rows, []).append(seconds)
         if len(self.passes) < _FIT_MIN_PASSES or max(by_rows) - min(by_rows) < 3:
@@ -76,8 +78,9 @@ class RowCostFit:
         mean_r = sum(r * w for r, _, w in points) / weight
         mean_t = sum(t * w for _, t, w in points) / weight
         spread = sum(w * (r - mean_r) ** 2 for r, _, w in points)
-        slope = max(0.0, sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread)
-        return max(0.0, mean_t - slope * mean_r), slope
+        slope = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread
+        intercept = mean_t - slope * mean_r
+        return (intercept, slope) if slope > 0 and intercept > 0 else None
 
 
 class BatchDrafter:
@@ -218,10 +221,11 @@ class BatchDrafter:
         drafts: list[list[int]],
         kept: list[int],
         seconds: float | None,
-        prompt_rows: int = 0,
+        prompt_rows: float = 0.0,
     ) -> None:
         """The pass's outcome: each sequence's draft and how many of it the target kept, the
-        pass's time (None: untimed) and the prompt rows it read beside them."""
+        pass's time (None: untimed) and the prompt rows it read beside them (in scored rows'
+        worth: a prompt row skips the output head)."""
         rows = sum(len(d) + 1 for d in drafts)
         if seconds is not None and rows + prompt_rows:
             self.fit.record(rows + prompt_rows, seconds)

@@ -99,7 +99,12 @@ class Metrics:
             ("requests_rejected_total", "counter", "refused with 503 (queue full)", self.rejected),
             ("requests_cancelled_total", "counter", "clients gone before the end", self.cancelled),
             ("requests_failed_total", "counter", "ended by an error", self.failed),
-            ("prompt_tokens_total", "counter", "prompt tokens read", self.prompt_tokens),
+            (
+                "prompt_tokens_total",
+                "counter",
+                "prompt tokens of finished requests (those the prefix cache gave included)",
+                self.prompt_tokens,
+            ),
             (
                 "prompt_tokens_cached_total",
                 "counter",
