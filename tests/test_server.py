@@ -356,3 +356,14 @@ def test_the_turns_bench_finds_the_first_turn_in_the_prefix_cache():
     for turn in result["per_conversation"]:
         assert 8 < turn["cached_tokens"] < turn["prompt_tokens"]
         assert 0 < turn["first_token_seconds"] <= turn["seconds"]
+
+
+def test_the_closed_loop_bench_decodes_every_request_in_full():
+    """`python -m selfspec.bench.closedloop`: the serving workload through selfspec.batch in one
+    process; every request's tokens counted, the chat template's opening from the prefix cache."""
+    result = _bench(
+        "closedloop", "--streams", "2", "--prompts-per-stream", "2", "--max-tokens", "12"
+    )
+    assert result["requests"] == 4 and 4 <= result["tokens"] <= 4 * 12
+    assert 0 < result["prompt_tokens_cached"] < result["prompt_tokens"]
+    assert result["rows"] >= result["passes"] > 0 and result["aggregate_tok_s"] > 0
