@@ -304,6 +304,43 @@ def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
     assert after["requests_running"] == 0 and after["queue_depth"] == 0
 
 
+def test_an_answer_stopped_midway_is_kept_for_the_next_turn(server):
+    """A client that stops reading (a chat UI's stop button) leaves its prompt and the answer so
+    far in the prefix cache: the next turn, which carries that partial answer, reads only the
+    rest."""
+    from selfspec.engine import Engine
+
+    question = "Tell a long story about a lighthouse keeper."
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}]}
+    body |= {"max_tokens": 400, "temperature": 0, "stream": True}
+    before = _metrics(server)
+    request = urllib.request.Request(
+        server["base"] + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    stream, partial = urllib.request.urlopen(request, timeout=60), ""
+    while len(partial) < 60:
+        line = stream.readline().decode()
+        if line.startswith("data: {"):
+            delta = json.loads(line[6:])["choices"][0]["delta"]
+            partial += delta.get("content") or ""
+    stream.close()
+    deadline = time.monotonic() + 60
+    while _metrics(server)["requests_cancelled_total"] == before["requests_cancelled_total"]:
+        assert time.monotonic() < deadline, "the server never noticed the client leave"
+        time.sleep(0.1)
+    messages = body["messages"] + [
+        {"role": "assistant", "content": partial},
+        {"role": "user", "content": "Go on."},
+    ]
+    reply = _client(server).chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=4
+    )
+    asked = len(Engine.load(MODEL).encode_messages(body["messages"]))
+    assert reply.usage.prompt_tokens_details.cached_tokens > asked
+
+
 def test_sigterm_shuts_down_cleanly(server):
     """A stream still open when SIGTERM comes gets an error event and its end at once (before,
     it held the shutdown until uvicorn cut it off with a traceback); the server exits 0."""

@@ -321,11 +321,12 @@ class Scheduler:
             return
         finally:
             self.solo = None
+        if job.cancelled.is_set() or stats.stop_reason != "paused":
+            # the runner's cache holds every token but the pending one
+            self._keep((job.prompt_ids + generated)[:-1], runner.cache)
         if job.cancelled.is_set():
             self._count(cancelled=1)
         elif stats.stop_reason != "paused":
-            if self.prefixes is not None:  # the runner's cache holds all but the pending token
-                self.prefixes.save((job.prompt_ids + generated)[:-1], runner.cache)
             self._done(job, trimmer, stats)
         else:
             sequence = resume_sequence(
@@ -371,6 +372,8 @@ class Scheduler:
         cancelled = [r for r in self.batch if r.job.cancelled.is_set()]
         self.batch = [r for r in self.batch if not r.job.cancelled.is_set()]
         self._count(cancelled=len(cancelled))
+        for running in cancelled:  # a chat whose answer was stopped goes on from it
+            self._keep(running.sequence.cached_tokens(), running.sequence.cache)
         if not self.batch:
             return
         started = time.perf_counter()
@@ -389,10 +392,15 @@ class Scheduler:
         )
         for running in [r for r in self.batch if r.sequence.gen.stop]:
             self.batch.remove(running)
-            if self.prefixes is not None:
-                self.prefixes.save(running.sequence.cached_tokens(), running.sequence.cache)
+            self._keep(running.sequence.cached_tokens(), running.sequence.cache)
             stats = running.sequence.finish()
             self._done(running.job, running.trimmer, stats, running.prefilled_apart)
+
+    def _keep(self, tokens: list[int], cache) -> None:
+        """Keep the keys and values of ``tokens`` (at the first positions of ``cache``) for the
+        requests that start with them; not while shutting down."""
+        if self.prefixes is not None and not self.stopping.is_set():
+            self.prefixes.save(tokens, cache)
 
     def _done(self, job: Job, trimmer: StopTrimmer, stats, prefilled_apart: bool = True) -> None:
         """``prefilled_apart``: the prompt was read in a pass of its own (its time counts as
