@@ -13,6 +13,7 @@ later passes overwrite whatever drafts left beyond the committed length.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,7 +100,7 @@ class ModelRunner:
             self.adapter.window(i) for i in range(self.num_layers)
         }  # None: full attention
 
-    @property
+    @functools.cached_property
     def head_share(self) -> float:
         """The output head's share of a scored row's multiply-adds (a prompt row that needs no
         logits skips it); 0 where the config does not say."""

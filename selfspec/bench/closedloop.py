@@ -14,14 +14,11 @@ in chunks inside the passes (past what the prefix cache holds, warmed by one sho
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-from selfspec.bench.serving import categories_in_turn
+from selfspec.bench.serving import add_common_arguments, categories_in_turn, emit
 from selfspec.prompts import load_prompts
-from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
 
 def run_streams(engine, prompt_ids: list[list[int]], streams: int, tokens: int, cache_mb: int):
@@ -77,18 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m selfspec.bench.closedloop", description=__doc__
     )
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--speed", default="auto")
+    add_common_arguments(parser, "the prefix cache; 0: off")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--prompts-per-stream", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=DEFAULT_PREFIX_CACHE_MB,
-        help=f"(default {DEFAULT_PREFIX_CACHE_MB}; 0: off)",
-    )
-    parser.add_argument("--out", default=None, help="write the result as JSON here too")
     args = parser.parse_args(argv)
     if min(args.streams, args.prompts_per_stream, args.max_tokens) < 1:
         parser.error("--streams, --prompts-per-stream and --max-tokens must be at least 1")
@@ -114,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "aggregate_tok_s": round(counts["tokens"] / seconds, 2),
         "rows_per_pass": round(counts["rows"] / counts["passes"], 2),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

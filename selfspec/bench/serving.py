@@ -37,6 +37,27 @@ from selfspec.prompts import Prompt, load_prompts
 from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
 
+def add_common_arguments(parser: argparse.ArgumentParser, cache_help: str) -> None:
+    """The arguments every serving bench takes: model, speed mode, prefix cache, --out."""
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--speed", default="auto")
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help=f"{cache_help} (default {DEFAULT_PREFIX_CACHE_MB})",
+    )
+    parser.add_argument("--out", default=None, help="write the result as JSON here too")
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print a bench's result as JSON, and write it to ``out`` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def categories_in_turn(prompts: list[Prompt]) -> list[Prompt]:
     """The prompts reordered one category after another: the first of each, the second..."""
     by_category: dict[str, list] = {}
@@ -208,8 +229,7 @@ def _engine_split(before: dict[str, float], after: dict[str, float], phase: str)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m selfspec.bench.serving", description=__doc__)
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--speed", default="auto")
+    add_common_arguments(parser, "the server's prefix cache; 0: off")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="spec-bench", help="prompt set")
@@ -219,13 +239,6 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="requests each stream sends one after another (default 1)",
     )
-    parser.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=DEFAULT_PREFIX_CACHE_MB,
-        help=f"the server's prefix cache (default {DEFAULT_PREFIX_CACHE_MB}; 0: off)",
-    )
-    parser.add_argument("--out", default=None, help="write the result as JSON here too")
     args = parser.parse_args(argv)
     if min(args.streams, args.max_tokens, args.prompts_per_stream) < 1:
         parser.error("--streams, --max-tokens and --prompts-per-stream must be at least 1")
@@ -240,10 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench_serving(
         args.model, args.speed, args.streams, args.max_tokens, texts, args.prefix_cache_mb
     )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -13,15 +13,17 @@ conversation: the first turn, then the second with the first's answer in its his
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from selfspec.bench.serving import _on_a_server, categories_in_turn
+from selfspec.bench.serving import (
+    _on_a_server,
+    add_common_arguments,
+    categories_in_turn,
+    emit,
+)
 from selfspec.prompts import load_prompts
-from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
 
 def _conversation(client, model: str, first: str, second: str, tokens: int) -> dict:
@@ -89,17 +91,9 @@ def bench_turns(model: str, speed: str, tokens: int, conversations: list, cache_
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m selfspec.bench.turns", description=__doc__)
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--speed", default="auto")
+    add_common_arguments(parser, "the cached server's prefix cache")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128, help="per turn (default 128)")
-    parser.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=DEFAULT_PREFIX_CACHE_MB,
-        help=f"the cached server's prefix cache (default {DEFAULT_PREFIX_CACHE_MB})",
-    )
-    parser.add_argument("--out", default=None, help="write the result as JSON here too")
     args = parser.parse_args(argv)
     if min(args.conversations, args.max_tokens, args.prefix_cache_mb) < 1:
         parser.error("--conversations, --max-tokens and --prefix-cache-mb must be at least 1")
@@ -108,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"Spec-Bench holds {len(mixed)} two-turn conversations")
     chosen = mixed[: args.conversations]
     result = bench_turns(args.model, args.speed, args.max_tokens, chosen, args.prefix_cache_mb)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 
