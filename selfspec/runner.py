@@ -99,6 +99,18 @@ class ModelRunner:
         self.windows = {
             self.adapter.window(i) for i in range(self.num_layers)
         }  # None: full attention
+        self._stack = self._layer_stack()
+
+    def _layer_stack(self):
+        """The kernel's ``LayerStack`` over the fused layers (a pass's sublayers in one native
+        call), where every layer attends to the whole context and the cache lives on one device;
+        else None (one call per sublayer)."""
+        fused = self.adapter.fused
+        if fused is None or self.windows != {None} or self.loaded.device_map is not None:
+            return None
+        from selfspec.kernels import load_kernel
+
+        return load_kernel().LayerStack(fused)
 
     @functools.cached_property
     def head_share(self) -> float:
@@ -255,6 +267,10 @@ class ModelRunner:
     def _sublayers(self, hidden, rope, masks, first, stop, skip_attention, skip_mlp, capture_at):
         """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering
         ``capture_at``)."""
+        if self._stack is not None and self.adapter.fused is not None:
+            return self._stacked(
+                hidden, rope, masks[None], first, stop, skip_attention, skip_mlp, capture_at
+            )
         a = self.adapter
         captured = None
         for sub in range(first, stop):
@@ -269,3 +285,28 @@ class ModelRunner:
         if capture_at is not None and capture_at >= stop:
             captured = hidden
         return hidden, captured
+
+    def _stacked(self, hidden, rope, mask, first, stop, skip_attention, skip_mlp, capture_at):
+        """``_sublayers`` through the kernel's ``LayerStack``: the same layer calls, made from
+        native code (two runs when the hidden state entering ``capture_at`` is wanted)."""
+        a, cache = self.adapter, self.cache
+        cos, sin = rope[a.layer_types[0]]
+        skips = (
+            [i in skip_attention for i in range(self.num_layers)],
+            [i in skip_mlp for i in range(self.num_layers)],
+        )
+
+        def run(rows, lo, hi):
+            return self._stack.run(
+                rows, cos, sin, cache.keys, cache.values, cache.write_pos, mask, lo, hi, *skips
+            )
+
+        rows, captured = hidden.reshape(-1, hidden.shape[-1]), None
+        if capture_at is not None and first <= capture_at < stop:
+            rows = run(rows, first, capture_at)
+            captured = rows.view(hidden.shape)
+            first = capture_at
+        rows = run(rows, first, stop).view(hidden.shape)
+        if capture_at is not None and capture_at >= stop:
+            captured = rows
+        return rows, captured

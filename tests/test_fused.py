@@ -58,3 +58,68 @@ def test_only_kernel_modes_of_pre_norm_families_fuse(tiny_llama):
 
     assert fuse_layers(tiny_llama.loaded.model, "torch") is None  # transformers' own modules
     assert tiny_llama.runner.adapter.fused is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("speed", ["gguf-q8", "packed"])
+def test_the_layer_stack_gives_the_per_sublayer_calls_bits(speed):
+    """One native call for the whole stack (``LayerStack``) against one call per sublayer: the
+    same logits and the same hidden state at the resume point, bit for bit, over a prefill, one
+    row, a verify pass, and layer-skip drafts that capture where the verify pass resumes."""
+    from selfspec.engine import Engine
+
+    engine = Engine.load("smollm2-135m", speed=speed)
+    runner, stack = engine.runner, engine.runner._stack
+    assert stack is not None
+    ids = torch.tensor(engine.encode(PROMPT))
+    n = ids.numel()
+    passes = [
+        dict(input_ids=ids, start=0, last_logits_only=True),
+        dict(input_ids=torch.tensor([5]), start=n),
+        dict(input_ids=torch.tensor([7, 8, 9, 10]), start=n + 1),
+        dict(
+            input_ids=torch.tensor([11, 12]),
+            start=n + 5,
+            skip_attention=frozenset({3, 5}),
+            skip_mlp=frozenset({7}),
+            capture_at=10,
+        ),
+        dict(input_ids=torch.tensor([13]), start=n + 7, capture_at=2 * runner.num_layers),
+        dict(input_ids=torch.tensor([14]), start=n + 8, capture_at=0),
+    ]
+    results = []
+    for layer_stack in (stack, None):
+        runner._stack = layer_stack
+        runner.reset(n + 16)
+        results.append([runner.forward(**p) for p in passes])
+    runner._stack = stack
+    for (logits, captured), (logits_ref, captured_ref) in zip(*results):
+        assert torch.equal(logits, logits_ref)
+        assert (captured is None) == (captured_ref is None)
+        if captured is not None:
+            assert torch.equal(captured, captured_ref)
+
+
+def test_argmax_rows_is_torch_s_argmax():
+    """The kernel's argmax (greedy decoding's every token): the first of equal maxima, and rows
+    with NaN or infinities as torch gives them."""
+    from selfspec.kernels import load_kernel
+    from selfspec.sampling import argmax_rows
+
+    kernel = load_kernel()
+    torch.manual_seed(0)
+    for trial in range(120):
+        vocab = [151936, 49152, 33, 17, 16, 1][trial % 6]
+        logits = torch.randn(3, vocab) * 4
+        if trial % 4 == 1:
+            logits = logits.round()  # many equal maxima
+        if trial % 7 == 2:
+            logits[1, vocab // 2] = float("nan")
+        if trial % 9 == 3:
+            logits[2, vocab - 1] = float("inf")
+        if trial % 5 == 4:
+            logits[0] = -float("inf")
+        expected = torch.argmax(logits, dim=-1).tolist()
+        assert kernel.argmax_rows(logits).tolist() == expected
+        assert argmax_rows(logits) == expected
+        assert argmax_rows(logits[0]) == expected[:1]

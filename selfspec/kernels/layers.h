@@ -274,4 +274,35 @@ struct DecoderLayer {
   }
 };
 
+// The whole stack of decoder layers in one native call: sublayers [first, stop) (sublayer 2i is
+// layer i's attention, 2i + 1 its MLP), those flagged in skip_attention / skip_mlp left out. A
+// pass over 28 layers otherwise makes 56 calls from Python, each converting its arguments and
+// taking the interpreter's lock again. keys, values: every layer's cache [layers, 1, kv_heads,
+// max_len, D]; mask as DecoderLayer::attention's, one for every layer (full attention only).
+struct LayerStack {
+  std::vector<DecoderLayer> layers;
+
+  explicit LayerStack(std::vector<DecoderLayer> stack) : layers(std::move(stack)) {}
+
+  torch::Tensor run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                    int64_t start, c10::optional<torch::Tensor> mask, int64_t first, int64_t stop,
+                    std::vector<bool> skip_attention, std::vector<bool> skip_mlp) const {
+    const int64_t count = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(0 <= first && first <= stop && stop <= 2 * count, "sublayers out of range");
+    TORCH_CHECK(static_cast<int64_t>(skip_attention.size()) == count &&
+                    static_cast<int64_t>(skip_mlp.size()) == count && keys.size(0) == count && values.size(0) == count,
+                "one entry per layer expected");
+    for (int64_t sub = first; sub < stop; ++sub) {
+      const int64_t i = sub / 2;
+      if (sub % 2 == 0) {
+        if (!skip_attention[i])
+          h = layers[i].attention(h, cos, sin, keys[i][0], values[i][0], start, mask);
+      } else if (!skip_mlp[i]) {
+        h = layers[i].mlp(h);
+      }
+    }
+    return h;
+  }
+};
+
 }  // namespace selfspec

@@ -10,6 +10,7 @@ namespace py = pybind11;
 using namespace selfspec;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "per row, the first index of the largest value (torch.argmax)");
   m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");
   m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias), W as quantized 16-wide panels");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [P, K, 16]");
@@ -39,6 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "h + the attention sublayer for one token of each of several sequences, each with its own cache",
            py::call_guard<py::gil_scoped_release>())
       .def("mlp", &DecoderLayer::mlp, "h + the MLP sublayer of h", py::call_guard<py::gil_scoped_release>());
+  py::class_<LayerStack>(m, "LayerStack")
+      .def(py::init<std::vector<DecoderLayer>>(), py::arg("layers"))
+      .def("run", &LayerStack::run, "sublayers [first, stop) of the stack in one call",
+           py::call_guard<py::gil_scoped_release>());
   m.attr("PACKED_KIND") = kPackedKind;
   m.attr("QUANT_KIND") = kQuantKind;
   m.attr("Q8_KIND") = kQ8Kind;

@@ -8,6 +8,48 @@
 
 namespace selfspec {
 
+// Per row of logits [M, V] float32, the index of its largest value, the first of several: what
+// torch.argmax gives, in two vector passes over the row (the maximum, then its first place)
+// instead of torch's scalar reduction. A row holding a NaN or an infinity goes to torch.argmax.
+inline torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == torch::kFloat32, "logits must be [M, V] float32");
+  logits = logits.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "no logits");
+  auto out = torch::empty({M}, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = logits.data_ptr<float>() + m * V;
+    vec best = vset1(-INFINITY), finite = vzero();  // finite stays 0 unless a lane is NaN or +-inf
+    int64_t i = 0;
+    for (; i + kVec <= V; i += kVec) {
+      const vec v = vload(x + i);
+      best = vmax(best, v);
+      finite = vadd(finite, vmul(v, vzero()));
+    }
+    alignas(64) float lanes[kVec], zeros[kVec];
+    vstore(lanes, best);
+    vstore(zeros, finite);
+    float top = -INFINITY, check = 0.0f;
+    for (int j = 0; j < kVec; ++j) top = std::max(top, lanes[j]), check += zeros[j];
+    for (int64_t t = i; t < V; ++t) top = std::max(top, x[t]), check += x[t] * 0.0f;
+    if (check != 0.0f) {  // NaN != 0
+      op[m] = logits[m].argmax().item<int64_t>();
+      continue;
+    }
+    const vec target = vset1(top);
+    int64_t at = -1;
+    for (i = 0; i + kVec <= V && at < 0; i += kVec) {
+      const unsigned hits = vequal_lanes(vload(x + i), target);
+      if (hits) at = i + __builtin_ctz(hits);
+    }
+    for (int64_t t = i; t < V && at < 0; ++t)
+      if (x[t] == top) at = t;
+    op[m] = at;
+  }
+  return out;
+}
+
 inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && wp.dtype() == torch::kFloat32, "float32 only");
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");
