@@ -5,8 +5,9 @@ the rotary embedding, cache writes, additions) between its matrix products, and 
 they cost a third of a pass. For the common pre-norm layer (llama, qwen2, mistral: RMSNorm,
 rotary attention, SiLU-gated MLP) the kernel's ``DecoderLayer`` runs a whole sublayer in one
 call over the same weights the speed mode laid out; the adapter calls it instead of the
-modules. Every step works row by row, so rows stay independent of each other (verify passes and
-token trees give each row the bits of a one-token pass).
+modules, and the runner runs a whole pass's sublayers through the kernel's ``LayerStack`` (the
+same calls, made from native code). Every step works row by row, so rows stay independent of
+each other (verify passes and token trees give each row the bits of a one-token pass).
 
 The arithmetic of the norms and the activation is the kernel's own (the same formulas, summed in
 a fixed order), so logits can differ from the module-by-module path in the last bits.

@@ -4,6 +4,7 @@
 //   attention.h  attention, each query row's bits its own (rows read the keys together)
 //   ops.h        the entry points torch calls
 //   layers.h     a whole pre-norm decoder sublayer (norm, projections, rotary, attention, MLP) per call
+//                and the whole layer stack of a pass in one call (LayerStack)
 #include "layers.h"
 
 namespace py = pybind11;
