@@ -1,0 +1,216 @@
+"""Replay drafting policies over recorded greedy answers (stop 40's "replayed before building").
+
+    python search/qwen2.5-coder-1.5b/replay-2026-11-27/replay.py record --out answers.pt
+    python search/qwen2.5-coder-1.5b/replay-2026-11-27/replay.py replay answers.pt
+
+``record`` writes each Spec-Bench prompt's greedy answer (``--limit`` per category) and, at every
+answer position, what the draft heads would guess there: the chain fed the true tokens (as
+drafting meets it while its guesses are right), each guess's id and top probability over the
+draft's ids (the context's ids only once the context holds them), for several draft vocabulary
+sizes. ``replay`` walks each answer round by round under a policy (context match first, else head
+guesses while the committed rule says a guess is worth its verify row) and prices each round with
+fixed costs (verify passes by rows in plain steps, a head guess in plain steps). It is a model of
+the drafter, not the drafter: no learning, no Python overhead, costs fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass, replace
+
+import torch
+
+from selfspec.drafters.ngram import ContextIndex
+
+VOCABS = (16384, 8192, 4096, 2048)
+FAST_ROWS = (1.0, 1.10, 1.21, 1.30, 1.50)  # verify pass over 1..5 rows, in plain steps
+SLOW_ROWS = (1.0, 1.02, 1.09, 1.17, 1.40)
+
+
+def record(args) -> None:
+    from selfspec.drafters.heads import HeadDrafter, head_step
+    from selfspec.engine import Engine
+    from selfspec.prompts import load_prompts
+
+    engine = Engine.load(args.model)
+    runner, adapter = engine.runner, engine.runner.adapter
+    heads = HeadDrafter(runner, engine.default_heads(), stop_ids=engine.eos_ids())
+    drafter = engine.self_drafter()
+    records = []
+    for prompt in load_prompts("spec-bench", args.limit):
+        ids = engine.encode(prompt.text, chat=True)
+        answer = engine.generate(ids, drafter, max_new_tokens=args.max_new_tokens).token_ids
+        records.append(_chains(runner, adapter, heads, head_step, prompt.category, ids, answer))
+        print(prompt.category, len(ids), len(answer), flush=True)
+    torch.save(records, args.out)
+
+
+@torch.inference_mode()
+def _chains(runner, adapter, heads, head_step, category, prompt, answer) -> dict:
+    full, n = prompt + answer, len(answer)
+    runner.reset(len(full) + 4)
+    hidden, _ = runner._run(
+        torch.tensor(full).view(1, -1),
+        0,
+        0,
+        runner.num_sublayers,
+        frozenset(),
+        frozenset(),
+        None,
+        None,
+    )
+    state = adapter.final_norm(hidden[0, len(prompt) - 1 : len(prompt) - 1 + n]).float()
+    heads.vocab.reset()
+    heads.vocab.follow(full)
+    first_seen = {}
+    for i, t in enumerate(full):
+        first_seen.setdefault(t, i)
+    base, extra = heads.vocab.base_ids, heads.vocab.extra
+    ids = torch.tensor(base + extra)
+    # an extra id may be scored at position i only once the context (prompt + answer[:i + 1]) has it
+    extra_seen = torch.tensor([first_seen[t] for t in extra], dtype=torch.long)
+    guesses = {v: [] for v in VOCABS}  # vocab -> per head j: (ids [n], confidence [n])
+    for j in range(len(heads.heads)):
+        feed = torch.cat([heads._token_input(answer[min(i + j, n - 1)]) for i in range(n)])
+        state = head_step(state, feed, heads.products[j])
+        logits = adapter.normed_logits(state.to(hidden.dtype)[None], heads.vocab)[0].float()
+        hidden_later = extra_seen[None, :] > len(prompt) + torch.arange(n)[:, None]
+        logits[:, len(base) :] = logits[:, len(base) :].masked_fill(hidden_later, float("-inf"))
+        for vocab in VOCABS:
+            cut = logits.clone()
+            cut[:, vocab : len(base)] = float("-inf")
+            confidence, best = torch.softmax(cut, -1).max(-1)
+            guesses[vocab].append((ids[best], confidence))
+    return dict(category=category, prompt=prompt, answer=answer, guesses=guesses)
+
+
+@dataclass(frozen=True)
+class Policy:
+    vocab: int = 16384
+    guess_cost: float = 0.039  # plain steps
+    rows: tuple = FAST_ROWS
+    row_slope: float = 0.15  # past the table
+    context_tokens: int = 3  # a context match drafts this many
+    min_match: int = 2
+    oracle: bool = False  # stop the head chain exactly where it fails
+    context_after_heads: int = 0  # a context match continuing the head guesses, this many
+    heads_overrule: float = 0.0  # a disagreeing head first guess this confident replaces a match
+
+    def verify(self, rows: int) -> float:
+        table = self.rows
+        return (
+            table[rows - 1]
+            if rows <= len(table)
+            else table[-1] + self.row_slope * (rows - len(table))
+        )
+
+
+def _head_draft(policy: Policy, chain, i: int, answer: list[int]) -> tuple[list[int], int]:
+    """Head guesses at position i under the committed rule (or the oracle), and guesses computed."""
+    draft, chance, expected, steps = [], 1.0, 1.0, 0
+    for ids, confidence in chain:
+        guess, c = int(ids[i]), float(confidence[i])
+        steps += 1
+        right = i + len(draft) + 1 < len(answer) and guess == answer[i + len(draft) + 1]
+        if policy.oracle:
+            if not right:
+                break
+            draft.append(guess)
+            continue
+        chance *= c
+        k = len(draft)
+        cost = policy.verify(k + 1) + k * policy.guess_cost
+        extra = policy.verify(k + 2) - policy.verify(k + 1) + policy.guess_cost
+        if chance * cost < 1.02 * extra * expected:
+            break
+        draft.append(guess)
+        expected += chance
+        if not right:
+            break  # later heads were fed the true token: their guesses say nothing after a miss
+    return draft, steps
+
+
+def replay_one(policy: Policy, rec: dict) -> tuple[int, float]:
+    """Tokens after the first and their cost in plain steps, round by round."""
+    prompt, answer = rec["prompt"], rec["answer"]
+    chain = rec["guesses"][policy.vocab]
+    index = ContextIndex(min_ngram=policy.min_match)
+    i, cost = 0, 0.0
+    while i < len(answer) - 1:
+        committed = prompt + answer[: i + 1]
+        index.sync(committed)
+        match = index.lookup(16)
+        steps = 0
+        if match is not None and policy.heads_overrule:
+            ids, confidence = chain[0]
+            if int(ids[i]) != match.tokens[0] and float(confidence[i]) > policy.heads_overrule:
+                match = None
+        if match is not None:
+            draft = match.tokens[: policy.context_tokens]
+        else:
+            draft, steps = _head_draft(policy, chain, i, answer)
+            if policy.context_after_heads and draft:
+                more = ContextIndex(min_ngram=policy.min_match)
+                more.sync(committed + draft)
+                follow = more.lookup(policy.context_after_heads)
+                draft += follow.tokens if follow is not None else []
+        kept = 0
+        while (
+            kept < len(draft) and i + kept + 1 < len(answer) and answer[i + kept + 1] == draft[kept]
+        ):
+            kept += 1
+        cost += policy.verify(len(draft) + 1) + steps * policy.guess_cost
+        i += kept + 1
+    return i, cost
+
+
+def replay(args) -> None:
+    records = torch.load(args.answers, weights_only=False)
+    base = Policy()
+    variants = {
+        "committed policy": base,
+        "oracle chain length": replace(base, oracle=True),
+        "head guesses cost nothing": replace(base, guess_cost=0.0),
+        **{
+            f"{v} draft ids": replace(base, vocab=v, guess_cost=0.039 * (5.0 + 1.26e-3 * v) / 25.6)
+            for v in VOCABS[1:]
+        },
+        "context match after head guesses (4)": replace(base, context_after_heads=4),
+        "context match after head guesses (8)": replace(base, context_after_heads=8),
+        "context drafts of 5": replace(base, context_tokens=5),
+        "context drafts of 8": replace(base, context_tokens=8),
+        "context matches of 3+ tokens": replace(base, min_match=3),
+        "heads overrule a match (0.5)": replace(base, heads_overrule=0.5),
+        "heads overrule a match (0.7)": replace(base, heads_overrule=0.7),
+        "verify rows 20% cheaper": replace(base, rows=(1.0, 1.08, 1.17, 1.24, 1.40)),
+        "verify rows 35% cheaper": replace(base, rows=(1.0, 1.065, 1.14, 1.2, 1.33)),
+        "slower state's verify rows": replace(base, rows=SLOW_ROWS),
+    }
+    print("| variant | median of per-prompt speedups | pooled |\n|---|---:|---:|")
+    for name, policy in variants.items():
+        ratios, tokens, steps = [], 0, 0.0
+        for rec in records:
+            t, c = replay_one(policy, rec)
+            if t:
+                ratios.append(t / c)
+                tokens, steps = tokens + t, steps + c
+        print(f"| {name} | {statistics.median(ratios):.3f}x | {tokens / steps:.3f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--model", default="qwen2.5-coder-1.5b")
+    rec.add_argument("--limit", type=int, default=2)
+    rec.add_argument("--max-new-tokens", type=int, default=128)
+    rec.add_argument("--out", required=True)
+    rep = sub.add_parser("replay")
+    rep.add_argument("answers")
+    args = parser.parse_args()
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
