@@ -267,6 +267,8 @@ class ModelRunner:
     def _sublayers(self, hidden, rope, masks, first, stop, skip_attention, skip_mlp, capture_at):
         """The layer stack from sublayer ``first`` to ``stop``; returns (hidden, hidden entering
         ``capture_at``)."""
+        # fused is checked too: StaticRunner (and tests of the module path) turn the fused
+        # layers off after the stack was built
         if self._stack is not None and self.adapter.fused is not None:
             return self._stacked(
                 hidden, rope, masks[None], first, stop, skip_attention, skip_mlp, capture_at

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.adaptation import AdaptiveThreshold, SpeedGuard
+from selfspec.sampling import argmax_rows
 
 if TYPE_CHECKING:
     from selfspec.runner import Resume
@@ -136,7 +137,7 @@ def draft_loop(step, first_token: int, request: DraftRequest, threshold: float):
         if float(q.max()) < threshold:
             break
         if request.sampling.greedy:
-            token = int(torch.argmax(logits))
+            token = argmax_rows(logits)[0]
         else:
             token = int(torch.multinomial(q, 1, generator=request.generator))
         tokens.append(token)

@@ -34,6 +34,7 @@ from selfspec.drafthead import DraftVocab
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
 from selfspec.kernels import PANEL, loaded_kernel
+from selfspec.sampling import argmax_rows
 
 if TYPE_CHECKING:
     from selfspec.runner import ModelRunner
@@ -226,7 +227,7 @@ class HeadDrafter(Drafter):
             state, logits = self._link(j, state, self._token_input(token), normed.dtype)
             logits = logits[0]  # the one row
             if greedy:
-                best = int(logits.argmax())
+                best = argmax_rows(logits)[0]
                 token, q = self.vocab.id_at(best), None
                 confidence = float(torch.softmax(logits, -1)[best])
             else:

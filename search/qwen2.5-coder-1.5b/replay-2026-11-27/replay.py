@@ -29,7 +29,7 @@ SLOW_ROWS = (1.0, 1.02, 1.09, 1.17, 1.40)
 
 
 def record(args) -> None:
-    from selfspec.drafters.heads import HeadDrafter, head_step
+    from selfspec.drafters.heads import HeadDrafter
     from selfspec.engine import Engine
     from selfspec.prompts import load_prompts
 
@@ -41,13 +41,15 @@ def record(args) -> None:
     for prompt in load_prompts("spec-bench", args.limit):
         ids = engine.encode(prompt.text, chat=True)
         answer = engine.generate(ids, drafter, max_new_tokens=args.max_new_tokens).token_ids
-        records.append(_chains(runner, adapter, heads, head_step, prompt.category, ids, answer))
+        records.append(_chains(runner, adapter, heads, prompt.category, ids, answer))
         print(prompt.category, len(ids), len(answer), flush=True)
     torch.save(records, args.out)
 
 
 @torch.inference_mode()
-def _chains(runner, adapter, heads, head_step, category, prompt, answer) -> dict:
+def _chains(runner, adapter, heads, category, prompt, answer) -> dict:
+    from selfspec.drafters.heads import head_step
+
     full, n = prompt + answer, len(answer)
     runner.reset(len(full) + 4)
     hidden, _ = runner._run(
@@ -209,7 +211,10 @@ def main() -> None:
     rep = sub.add_parser("replay")
     rep.add_argument("answers")
     args = parser.parse_args()
-    record(args) if args.command == "record" else replay(args)
+    if args.command == "record":
+        record(args)
+    else:
+        replay(args)
 
 
 if __name__ == "__main__":
