@@ -220,14 +220,26 @@ def fit(
     return trained
 
 
-def fit_rows(hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch=256, lr=1e-3):
+def fit_rows(
+    hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch=256, lr=1e-3, init=None
+):
     """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
     [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
-    holds every token's input embedding [vocab, hidden]. The held-out rows give
-    ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all guess right."""
+    holds every token's input embedding [vocab, hidden]; ``init``: ``DraftHeads`` to start from
+    (default: zeros). The held-out rows give ``info["heldout_top1_by_head"]``: the share of rows
+    where heads 1..j all guess right."""
     count, size, device = len(tokens) - 1, hidden.shape[1], out.device
-    weights = [torch.zeros(size, 2 * size, device=device, requires_grad=True) for _ in range(count)]
-    biases = [torch.zeros(size, device=device, requires_grad=True) for _ in range(count)]
+    start = init.to(device) if init is not None else None
+    weights = [
+        (
+            start.weights[j].clone() if start else torch.zeros(size, 2 * size, device=device)
+        ).requires_grad_()
+        for j in range(count)
+    ]
+    biases = [
+        (start.biases[j].clone() if start else torch.zeros(size, device=device)).requires_grad_()
+        for j in range(count)
+    ]
     opt = torch.optim.AdamW(weights + biases, lr=lr, weight_decay=0.0)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)
@@ -248,7 +260,7 @@ def fit_rows(hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch
             decay.step()
             bar.update()
     bar.close()
-    top1 = _chain_top1(test_hidden, test_tokens, weights, biases, out, embed)
+    top1 = chain_top1(test_hidden, test_tokens, weights, biases, out, embed)
     info = {
         "vocab_prefix": len(out),
         "rows": len(rows),
@@ -282,7 +294,7 @@ def _chain(hidden, tokens, weights, biases, out, embed):
         yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
 
 
-def _chain_top1(hidden, tokens, weights, biases, out, embed, batch=4096) -> list[float]:
+def chain_top1(hidden, tokens, weights, biases, out, embed, batch=4096) -> list[float]:
     """Per head j: the share of rows (those with a token for it) where heads 1..j all guess
     right."""
     right = torch.zeros(len(weights))

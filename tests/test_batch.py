@@ -158,8 +158,9 @@ def test_head_drafts_in_a_batch_keep_each_sequence_its_solo_tokens(engine):
 def test_a_planned_batch_drafts_only_where_rows_pay():
     """With pass costs timed and acceptance measured, the batch drafter adds a sequence's draft
     tokens most likely first, and only while the expected tokens per second rise."""
-    from selfspec.drafters.adaptive import Acceptance, PassCosts
+    from selfspec.drafters.adaptive import Acceptance
     from selfspec.drafters.base import RoundOutcome
+    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
 
     costs = PassCosts()
@@ -185,7 +186,8 @@ def test_a_batch_that_never_ran_alone_drafts_once_its_own_passes_are_timed():
     """A server whose requests always come together never times a one-row pass; the batch's own
     passes (prompt chunks included) fit a line of cost against rows, and drafting starts from it:
     a row that costs a tenth of a four-row pass pays for a draft kept 90% of the time."""
-    from selfspec.drafters.adaptive import Acceptance, PassCosts
+    from selfspec.drafters.adaptive import Acceptance
+    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
 
     sure = Acceptance(8)
@@ -229,8 +231,8 @@ def test_a_planned_batch_takes_head_guesses_only_where_rows_pay():
     to bring; where even a certain guess could not pay, the heads are not run at all."""
     import torch
 
-    from selfspec.drafters.adaptive import PassCosts
     from selfspec.drafters.base import RoundOutcome
+    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
 
     contexts = [ContextIndex(), ContextIndex()]

@@ -12,7 +12,8 @@ from selfspec.drafters import (
     DraftSettings,
     RoundOutcome,
 )
-from selfspec.drafters.adaptive import Acceptance, Calibration, PassCosts, _head_prior
+from selfspec.drafters.adaptive import Acceptance, Calibration, _head_prior
+from selfspec.drafters.costs import PassCosts
 from selfspec.drafters.ngram import ContextIndex
 from selfspec.sampling import Sampling
 

@@ -10,9 +10,6 @@ unprofitable is tried again now and then, so an early bad estimate is never fina
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,6 +21,7 @@ from selfspec.drafters.base import (
     RoundOutcome,
     point_masses,
 )
+from selfspec.drafters.costs import PassCosts, RecentMedian
 from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
 
 if TYPE_CHECKING:
@@ -32,7 +30,6 @@ if TYPE_CHECKING:
 
 _PRIOR_ACCEPTANCE = 0.6  # what a kind of draft is assumed to achieve before it is measured
 _PRIOR_WEIGHT = 2.0  # in rounds
-_ROW_COST_PRIOR = 0.15  # a verify row's cost as a share of a plain step, before rows are timed
 _PROBE_EVERY = 48  # rounds between tries of a kind of draft believed unprofitable
 _MAX_PROBE_GAP = 16 * _PROBE_EVERY
 _GAIN_MARGIN = 1.02  # a draft must beat a plain step by this much
@@ -44,7 +41,6 @@ _DECAY = 0.97  # per round, the weight of what was measured before
 # kind of draft is kept depends on the text (a summary copies its source, a rewrite does not), so
 # a few rounds of the new text must be able to outweigh it.
 _CARRY_WEIGHT = 4.0
-_COST_WINDOW = 9  # timed passes a cost estimate is the median of
 _PROBE_TOKENS = 2  # a probe of layer-skip drafting believed unprofitable drafts this many
 # Rounds between one-token tries of a cheap kind of draft (context, heads) believed unprofitable:
 # without them one slow pass timed on a busy machine could stop it for good (only its own rounds
@@ -68,100 +64,6 @@ class Calibration:
     def value(self) -> float:
         ratio = (self.kept + self.prior) / (self.expected + self.prior)
         return min(2.0, max(0.25, ratio))
-
-
-class RecentMedian:
-    """The median of the last few samples: a pass's time on a busy machine has a long right tail
-    (another process, a page fault), and a mean, even a moving one, follows each spike."""
-
-    def __init__(self, size: int = _COST_WINDOW):
-        self.samples: deque[float] = deque(maxlen=size)
-
-    def add(self, value: float) -> None:
-        self.samples.append(value)
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.samples) if self.samples else None
-
-
-class PassCosts:
-    """What verify passes and layer-skip draft steps cost in this generation's stream.
-
-    A plain step (a verify pass over one row) is timed often; longer passes and draft steps are
-    timed only when drafted. A VM's speed drifts by up to 2x within minutes, so those are kept as
-    multiples of the plain step timed around them: a stale multiple stays true when the machine
-    slows down or speeds up, a stale time would not. Each is the median of its last few samples.
-    """
-
-    def __init__(self) -> None:
-        self._plain_times = RecentMedian()  # seconds of verify passes over one row
-        self._ratios: dict[int, RecentMedian] = {}  # rows > 1: seconds / a plain step's
-        self._draft_ratios = RecentMedian()  # a layer-skip draft step / a plain step
-        # Derived from those by record, which alone changes them:
-        self.plain: float | None = None  # seconds of a plain step
-        self.draft_step: float | None = None  # seconds of a layer-skip draft step
-        self._known: dict[int, float] = {1: 1.0}  # rows -> plain steps, non-decreasing
-        self._estimates: dict[int, float] = {}  # verify_cost answers since the last record
-
-    def record(self, outcome: RoundOutcome, steps: int) -> None:
-        if outcome.verify_seconds <= 0:
-            return
-        self._estimates.clear()
-        if outcome.rows == 1:
-            self._plain_times.add(outcome.verify_seconds)
-        else:
-            # Before a plain step is timed, the pass itself stands in for one.
-            plain = self.plain or outcome.verify_seconds
-            ratio = outcome.verify_seconds / plain
-            self._ratios.setdefault(outcome.rows, RecentMedian()).add(ratio)
-            self._known = self._monotone()
-            if steps and outcome.draft_seconds > 0:
-                self._draft_ratios.add(outcome.draft_seconds / steps / plain)
-        self.plain = self._plain_times.value
-        draft_ratio = self._draft_ratios.value
-        if draft_ratio is not None and self.plain is not None:
-            self.draft_step = draft_ratio * self.plain
-
-    def verify_cost(self, rows: int) -> float | None:
-        """Seconds of a verify pass over ``rows`` rows (None before a plain step is timed)."""
-        if self.plain is None:
-            return None
-        if rows not in self._estimates:
-            self._estimates[rows] = self.plain * self._ratio(rows)
-        return self._estimates[rows]
-
-    def _ratio(self, rows: int) -> float:
-        """Interpolated between timed row counts; past them, the slope of the last two (or a
-        prior)."""
-        known = self._known
-        if rows in known:
-            return known[rows]
-        below = max(r for r in known if r < rows)
-        above = [r for r in known if r > rows]
-        if above:
-            hi = min(above)
-            w = (rows - below) / (hi - below)
-            return (1 - w) * known[below] + w * known[hi]
-        slope = _ROW_COST_PRIOR
-        if len(known) >= 2:
-            a, b = sorted(known)[-2:]
-            slope = max(slope * 0.5, (known[b] - known[a]) / (b - a))
-        return known[below] + slope * (rows - below)
-
-    def _monotone(self) -> dict[int, float]:
-        """The timed multiples made non-decreasing in rows (pooling neighbours that disagree,
-        weighted by their samples: isotonic regression), a plain step fixed at 1: a noisy timing
-        must not make a longer draft look cheaper, nor a rarely timed one make all longer ones
-        look dearer."""
-        blocks: list[list] = [[1.0, math.inf, [1]]]  # value, weight, row counts pooled
-        for rows, median in sorted(self._ratios.items()):
-            blocks.append([median.value, len(median.samples), [rows]])
-            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                (v1, w1, r1), (v2, w2, r2) = blocks.pop(-2), blocks.pop()
-                value = v1 if math.isinf(w1) else (v1 * w1 + v2 * w2) / (w1 + w2)
-                blocks.append([value, w1 + w2, r1 + r2])
-        return {rows: value for value, _, pooled in blocks for rows in pooled}
 
 
 def most_tokens_per_second(

@@ -18,8 +18,6 @@ one sequence at a time, which a batch pass exists to avoid.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,10 +26,10 @@ from selfspec.drafters.adaptive import (
     Acceptance,
     AdaptiveDrafter,
     Calibration,
-    PassCosts,
     most_tokens_per_second,
 )
 from selfspec.drafters.base import RoundOutcome
+from selfspec.drafters.costs import PassCosts, RowCostFit
 
 if TYPE_CHECKING:
     from selfspec.drafters.base import Drafter
@@ -40,47 +38,6 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 32  # rows of one batch pass, pending tokens and drafts together
 _MAX_TOKENS = 8  # drafted tokens per sequence and pass
-_FIT_PASSES = 96  # batch passes the row-cost fit remembers
-_FIT_MIN_PASSES = 16
-
-
-class RowCostFit:
-    """Seconds of a batch pass as ``a + b * rows``, fitted over the batch's latest passes
-    (prompt chunks included, their rows counted as the share of a scored row they cost): each
-    row count's median time, weighted by how often it was timed. Past a few rows a pass costs
-    about its rows' arithmetic, so one line holds from the few rows of decoding to the many of
-    a prompt chunk; a multiple per row count, timed apart, would be noisy where rarely timed.
-    Unready (None) until the passes span a few row counts and give a line that rises from a
-    positive cost (a fixed cost per pass and a cost per row): anything else is noise."""
-
-    def __init__(self) -> None:
-        self.passes: deque[tuple[float, float]] = deque(maxlen=_FIT_PASSES)
-        self._line: tuple[float, float] | None = None
-
-    def record(self, rows: float, seconds: float) -> None:
-        self.passes.append((rows, seconds))
-        self._line = self._fit()
-
-    def cost(self, rows: float) -> float | None:
-        if self._line is None:
-            return None
-        a, b = self._line
-        return a + b * rows
-
-    def _fit(self) -> tuple[float, float] | None:
-        by_rows: dict[float, list[float]] = {}
-        for rows, seconds in self.passes:
-            by_rows.setdefault(rows, []).append(seconds)
-        if len(self.passes) < _FIT_MIN_PASSES or max(by_rows) - min(by_rows) < 3:
-            return None
-        points = [(r, statistics.median(t), len(t)) for r, t in by_rows.items()]
-        weight = sum(w for _, _, w in points)
-        mean_r = sum(r * w for r, _, w in points) / weight
-        mean_t = sum(t * w for _, t, w in points) / weight
-        spread = sum(w * (r - mean_r) ** 2 for r, _, w in points)
-        slope = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / spread
-        intercept = mean_t - slope * mean_r
-        return (intercept, slope) if slope > 0 and intercept > 0 else None
 
 
 class BatchDrafter:

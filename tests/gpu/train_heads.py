@@ -10,7 +10,10 @@ by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue
 answer cut short, no chat template), as prompts do that continue code.
 
     python3 tests/gpu/train_heads.py MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
-        [--answers answers.safetensors]   # an earlier run's answers: train on them, write none
+        [--answers A.safetensors[.xz] ...]   # earlier runs' answers: train on them too
+                                              # (and write none unless --generate-seconds)
+        [--init heads.safetensors]        # start from these heads instead of zeros
+        [--compare heads.safetensors]     # also measure these heads on the same held-out rows
 
 Writes OUT_DIR/heads.safetensors, OUT_DIR/answers.safetensors (every prompt and answer as token
 ids) and OUT_DIR/questions.json, each as soon as it is ready.
@@ -30,11 +33,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from selfspec.drafters.heads import DraftHeads  # noqa: E402
 from selfspec.headtrain import (  # noqa: E402
     QUESTION_PROMPT,
     TOPICS,
     add_questions,
     chain_tokens,
+    chain_top1,
     fit_rows,
 )
 
@@ -111,10 +116,18 @@ def cut_for_continuation(answer, rng):
 
 
 def read_answers(path):
-    """(prompts, answers, continuations) from an earlier run's answers.safetensors."""
+    """(prompts, answers, continuations) from an earlier run's answers.safetensors (.xz: as
+    compressed for keeping in the repository)."""
+    import lzma
+    import tempfile
+
     from safetensors import safe_open
 
-    with safe_open(path, "pt") as f:
+    if str(path).endswith(".xz"):
+        plain = Path(tempfile.mkdtemp()) / "answers.safetensors"
+        plain.write_bytes(lzma.decompress(Path(path).read_bytes()))
+        path = plain
+    with safe_open(str(path), "pt") as f:
         tokens, lengths = f.get_tensor("tokens").tolist(), f.get_tensor("lengths").tolist()
         continuations_from = int(f.metadata()["continuations_from"])
     prompts, answers, first = [], [], 0
@@ -181,13 +194,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--generate-seconds", type=float, default=150)
-    parser.add_argument("--answers", help="an earlier run's answers.safetensors to train on")
+    parser.add_argument(
+        "--generate-seconds", type=float, help="answering time (150; 0 with --answers)"
+    )
+    parser.add_argument(
+        "--answers", nargs="+", default=[], help="earlier runs' answers.safetensors to train on"
+    )
+    parser.add_argument("--init", help="heads to start training from (default: zeros)")
+    parser.add_argument("--compare", help="heads to measure on the same held-out rows")
+    parser.add_argument("--lr", type=float, default=1e-3, help="first learning rate (decays)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed for the questions")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    torch.manual_seed(0)
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
@@ -213,25 +234,38 @@ def main() -> None:
             return_dict=False,
         )
 
-    if args.answers:
-        prompts, answers, more = read_answers(args.answers)
-    else:
+    if args.generate_seconds is None:
+        args.generate_seconds = 0 if args.answers else 150
+    prompts, answers, more = [], [], []
+    if args.generate_seconds > 0:
         prompts, answers, more = write_answers(model, tok, chat, eos, pad, rng, args, out_dir)
+    for path in args.answers:
+        for kept, read in zip((prompts, answers, more), read_answers(path)):
+            kept += read
 
     hidden, labels, order = features(model, prompts, answers, args.heads)
     # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them
     test = [i for i, k in enumerate(order) if k % 20 == 0]
     train = [i for i, k in enumerate(order) if k % 20 != 0]
     out_rows = model.get_output_embeddings().weight[:32768].detach().float()
+    embed = model.get_input_embeddings().weight.detach()
+    test_hidden = torch.cat([hidden[i] for i in test])
+    test_labels = torch.cat([labels[i] for i in test], dim=1).to(DEVICE)
+    if args.compare:
+        old = DraftHeads.load(args.compare).to(DEVICE)
+        top1 = chain_top1(test_hidden, test_labels, old.weights, old.biases, out_rows, embed)
+        log(f"{args.compare} on these held-out rows: {[round(t, 4) for t in top1]}")
     heads = fit_rows(
         torch.cat([hidden[i] for i in train]),
         torch.cat([labels[i] for i in train], dim=1).to(DEVICE),
-        torch.cat([hidden[i] for i in test]),
-        torch.cat([labels[i] for i in test], dim=1).to(DEVICE),
+        test_hidden,
+        test_labels,
         out_rows,
-        model.get_input_embeddings().weight.detach(),
+        embed,
         args.epochs,
         batch=4096,
+        lr=args.lr,
+        init=DraftHeads.load(args.init) if args.init else None,
     )
     heads.info.update(
         model=args.name,
@@ -239,6 +273,7 @@ def main() -> None:
         answers=len(answers),
         continuations=len(more),
         epochs=args.epochs,
+        initialised_from=Path(args.init).name if args.init else None,
         seconds=round(time.time() - STARTED),
     )
     heads.save(out_dir / "heads.safetensors")

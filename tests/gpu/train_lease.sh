@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The last call of a lease that trains draft heads on a lent GPU (tests/gpu/train_heads.py), after
+# the 1.5B's .gguf travelled in pieces to /tmp/p (how: search/qwen2.5-coder-1.5b/cuda-h200-real/
+# README.md). Carried beside the repo: .gpu/tok (tokenizer files from the model cache) and .whl
+# (the gguf wheel). Assembles and checks the .gguf, trains heads starting from the shipped ones
+# (measured on the same held-out answers first), and leaves in $OUT what comes back: the log, the
+# heads and the answers in pieces of 15 MiB (the tool returns files of up to 16 MiB).
+# Env: GEN (seconds of answering), EPOCHS, LR, LIMIT (seconds for the training run), ANSWERS
+# (earlier runs' answers, e.g. search/.../answers.safetensors.xz, trained on too).
+set -u
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error
+SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+(cd /tmp/p && cat part?? > model.gguf && rm part?? && sha256sum model.gguf) | tee "$OUT/sha.txt"
+grep -q $SHA "$OUT/sha.txt" || { echo "the assembled .gguf is not the 1.5B's"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+H=selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors
+timeout "${LIMIT:-300}" python3 tests/gpu/train_heads.py /tmp/p model.gguf .gpu/tok /tmp/o \
+  --questions 20000 --samples-per-topic 16 --batch 2048 --heads 4 --seed "${SEED:-1}" \
+  --generate-seconds "${GEN:-150}" --epochs "${EPOCHS:-8}" --lr "${LR:-5e-4}" --init $H --compare $H \
+  ${ANSWERS:+--answers $ANSWERS} 2>&1 | tee "$OUT/train.log"
+for f in heads.safetensors answers.safetensors; do
+  [[ -f /tmp/o/$f ]] && split -b 15m -d -a 1 /tmp/o/$f "$OUT/$f."
+done
+ls -la "$OUT"
