@@ -244,7 +244,9 @@ def main() -> None:
             kept += read
 
     hidden, labels, order = features(model, prompts, answers, args.heads)
-    # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them
+    # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them.
+    # With new answers first and earlier sets after them, an earlier set's rows shift: heads
+    # trained on it (--init, --compare) may have seen some of these rows.
     test = [i for i, k in enumerate(order) if k % 20 == 0]
     train = [i for i, k in enumerate(order) if k % 20 != 0]
     out_rows = model.get_output_embeddings().weight[:32768].detach().float()
