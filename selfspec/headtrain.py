@@ -229,17 +229,15 @@ def fit_rows(
     (default: zeros). The held-out rows give ``info["heldout_top1_by_head"]``: the share of rows
     where heads 1..j all guess right."""
     count, size, device = len(tokens) - 1, hidden.shape[1], out.device
-    start = init.to(device) if init is not None else None
-    weights = [
-        (
-            start.weights[j].clone() if start else torch.zeros(size, 2 * size, device=device)
-        ).requires_grad_()
-        for j in range(count)
-    ]
-    biases = [
-        (start.biases[j].clone() if start else torch.zeros(size, device=device)).requires_grad_()
-        for j in range(count)
-    ]
+    if init is None:
+        weights = [torch.zeros(size, 2 * size, device=device) for _ in range(count)]
+        biases = [torch.zeros(size, device=device) for _ in range(count)]
+    else:
+        start = init.to(device)
+        weights = [start.weights[j] for j in range(count)]  # as many heads as it trains
+        biases = [start.biases[j] for j in range(count)]
+    weights = [w.clone().requires_grad_() for w in weights]
+    biases = [b.clone().requires_grad_() for b in biases]
     opt = torch.optim.AdamW(weights + biases, lr=lr, weight_decay=0.0)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)

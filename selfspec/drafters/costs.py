@@ -121,8 +121,11 @@ class RowCostFit:
     Unready (None) until the passes span a few row counts and give a line that rises from a
     positive cost (a fixed cost per pass and a cost per row): anything else is noise."""
 
-    def __init__(self) -> None:
-        self.passes: deque[tuple[float, float]] = deque(maxlen=_FIT_PASSES)
+    def __init__(
+        self, passes: int = _FIT_PASSES, min_passes: int = _FIT_MIN_PASSES, min_spread: float = 3
+    ) -> None:
+        self.passes: deque[tuple[float, float]] = deque(maxlen=passes)
+        self.min_passes, self.min_spread = min_passes, min_spread  # before a line is ready
         self._line: tuple[float, float] | None = None
 
     def record(self, rows: float, seconds: float) -> None:
@@ -139,7 +142,7 @@ class RowCostFit:
         by_rows: dict[float, list[float]] = {}
         for rows, seconds in self.passes:
             by_rows.setdefault(rows, []).append(seconds)
-        if len(self.passes) < _FIT_MIN_PASSES or max(by_rows) - min(by_rows) < 3:
+        if len(self.passes) < self.min_passes or max(by_rows) - min(by_rows) < self.min_spread:
             return None
         points = [(r, statistics.median(t), len(t)) for r, t in by_rows.items()]
         weight = sum(w for _, _, w in points)

@@ -1,40 +1,24 @@
+"""Pass costs re-timed from a line over the stream's latest 48 passes (stop 41's trial; not
+landed): ``RowCostFit`` over every solo pass, ready after 12 passes spanning 2 row counts, gives
+the plain step and every verify pass's cost; ``PassCosts``' multiples stand in until then."""
+
 from selfspec.drafters.costs import PassCosts, RowCostFit
 
 
 class FitCosts(PassCosts):
     def __init__(self):
         super().__init__()
-        self.fit = RowCostFit()
-        self.fit.passes = __import__("collections").deque(maxlen=48)
+        self.fit = RowCostFit(passes=48, min_passes=12, min_spread=2)
 
     def record(self, outcome, steps):
         if outcome.verify_seconds > 0:
-            self.fit.passes.append((outcome.rows, outcome.verify_seconds))
-            line = self._line48()
-            self.fit._line = line
+            self.fit.record(outcome.rows, outcome.verify_seconds)
         super().record(outcome, steps)
-        f = self.fit.cost(1)
-        if f is not None:
-            self.plain = f
+        plain = self.fit.cost(1)
+        if plain is not None:
+            self.plain = plain
             self._estimates.clear()
 
-    def _line48(self):
-        import statistics
-
-        by = {}
-        for r, t in self.fit.passes:
-            by.setdefault(r, []).append(t)
-        if len(self.fit.passes) < 12 or max(by) - min(by) < 2:
-            return None
-        pts = [(r, statistics.median(t), len(t)) for r, t in by.items()]
-        w = sum(p[2] for p in pts)
-        mr = sum(r * n for r, _, n in pts) / w
-        mt = sum(t * n for _, t, n in pts) / w
-        sp = sum(n * (r - mr) ** 2 for r, _, n in pts)
-        b = sum(n * (r - mr) * (t - mt) for r, t, n in pts) / sp
-        a = mt - b * mr
-        return (a, b) if b > 0 and a > 0 else None
-
     def verify_cost(self, rows):
-        f = self.fit.cost(rows)
-        return f if f is not None else super().verify_cost(rows)
+        fitted = self.fit.cost(rows)
+        return fitted if fitted is not None else super().verify_cost(rows)

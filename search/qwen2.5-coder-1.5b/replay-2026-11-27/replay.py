@@ -106,8 +106,9 @@ class Policy:
         if not self.guess_cost:  # a guess reads 5 MB of head weights and 1.26 KB per draft id
             object.__setattr__(self, "guess_cost", 0.039 * (5.0 + 1.26e-3 * self.vocab) / 25.6)
 
-    def verify(self, rows: int) -> float:
-        table = self.rows
+    def verify(self, rows: int, believed: bool = False) -> float:
+        """A verify pass's cost in plain steps: paid, or as the rule believes it (``believed``)."""
+        table = (self.believed_rows or self.rows) if believed else self.rows
         return (
             table[rows - 1]
             if rows <= len(table)
@@ -135,9 +136,8 @@ def _head_draft(policy: Policy, chain, i: int, answer: list[int]) -> tuple[list[
             continue
         chance *= c
         k = len(draft)
-        rule = replace(policy, rows=policy.believed_rows or policy.rows)
-        cost = rule.verify(k + 1) + k * policy.guess_cost
-        extra = rule.verify(k + 2) - rule.verify(k + 1) + policy.guess_cost
+        cost = policy.verify(k + 1, True) + k * policy.guess_cost
+        extra = policy.verify(k + 2, True) - policy.verify(k + 1, True) + policy.guess_cost
         if chance * cost < 1.02 * extra * expected:
             break
         draft.append(guess if right else -1)
