@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import random
 import time
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, head_step, token_input
+from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, token_input
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
@@ -51,6 +50,19 @@ QUESTION_PROMPT = (
     "nothing else."
 )
 BATCH = 8  # sequences per pass while answering
+# Tasks over a text the model wrote itself (one of its answers): what users ask of a model about a
+# document (summaries, answers from a passage, extraction, translation, rewriting), whose answers
+# copy and transform their prompt in ways answers to short questions do not.
+TASKS = (
+    "Summarize the following text in a few sentences.\n\n{text}",
+    "Answer the question using only the text below.\n\nText:\n{text}\n\nQuestion: {question}",
+    "List the key facts, names and numbers in the text below as a bulleted list.\n\n{text}",
+    "Translate the following text into {language}.\n\n{text}",
+    "Rewrite the following text so that a twelve-year-old can understand it.\n\n{text}",
+    "Write three questions a reader could answer from the text below, each with its answer."
+    "\n\n{text}",
+)
+LANGUAGES = ("French", "German", "Spanish", "Chinese", "Japanese", "Russian", "Italian", "Korean")
 
 
 def generate_greedy(engine: Engine, prompts: list[list[int]], max_new: int, desc: str):
@@ -90,6 +102,14 @@ def _answer_group(engine: Engine, prompts: list[list[int]], max_new: int, eos: s
         for row, i in enumerate(live):
             answers[i].append(int(logits[row].argmax()))
     return answers
+
+
+def task_prompt(text: str, question: str, rng: random.Random) -> str:
+    """A task over ``text`` (an answer the model wrote to ``question``), chosen with ``rng``."""
+    task = rng.choice(TASKS)
+    if "{language}" in task:
+        text = "\n".join(text.splitlines()[:6])  # translations: a few lines, not a whole answer
+    return task.format(text=text.strip(), question=question, language=rng.choice(LANGUAGES))
 
 
 def write_questions(engine: Engine, per_topic: int, topics=TOPICS) -> list[str]:
@@ -192,10 +212,12 @@ def fit(
     vocab_prefix: int = 32768,
     heldout: float = 0.1,
     seed: int = 0,
+    layers: int = 2,
+    soft: float = 0.5,
 ) -> DraftHeads:
-    """Train a chain of ``heads`` heads (cross-entropy over the first ``vocab_prefix`` ids;
-    guesses past them are left out) on all but the last ``heldout`` share of answers, measured on
-    those."""
+    """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over the first
+    ``vocab_prefix`` ids, ``soft`` of it against the model's own distribution; guesses past them
+    are left out) on all but the last ``heldout`` share of answers, measured on those."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
@@ -205,6 +227,7 @@ def fit(
     vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
     split = max(1, int(len(answers) * (1 - heldout)))
     train, test = answers[:split], answers[split:] or answers[-1:]
+    owner = torch.cat([torch.full((len(h),), k) for k, (h, _) in enumerate(train)])
     trained = fit_rows(
         torch.cat([h for h, _ in train]),
         torch.cat([y for _, y in train], dim=1)[: heads + 1],
@@ -213,32 +236,52 @@ def fit(
         output_rows(engine, vocab_prefix),
         embedding_table(engine),
         epochs,
+        layers=layers,
+        soft=soft,
+        owner=owner,
     )
     trained.info.update(
-        model=engine.loaded.name, speed=engine.loaded.speed, answers=len(answers), epochs=epochs
+        model=engine.loaded.name,
+        speed=engine.loaded.speed,
+        answers=len(answers),
+        epochs=epochs,
     )
     return trained
 
 
 def fit_rows(
-    hidden, tokens, test_hidden, test_tokens, out, embed, epochs, batch=256, lr=1e-3, init=None
+    hidden,
+    tokens,
+    test_hidden,
+    test_tokens,
+    out,
+    embed,
+    epochs,
+    batch=256,
+    lr=1e-3,
+    init=None,
+    layers=2,
+    soft=0.5,
+    owner=None,
 ):
     """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
     [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
     holds every token's input embedding [vocab, hidden]; ``init``: ``DraftHeads`` to start from
-    (default: zeros). The held-out rows give ``info["heldout_top1_by_head"]``: the share of rows
-    where heads 1..j all guess right."""
-    count, size, device = len(tokens) - 1, hidden.shape[1], out.device
-    if init is None:
-        weights = [torch.zeros(size, 2 * size, device=device) for _ in range(count)]
-        biases = [torch.zeros(size, device=device) for _ in range(count)]
-    else:
-        start = init.to(device)
-        weights = [start.weights[j] for j in range(count)]  # as many heads as it trains
-        biases = [start.biases[j] for j in range(count)]
-    weights = [w.clone().requires_grad_() for w in weights]
-    biases = [b.clone().requires_grad_() for b in biases]
-    opt = torch.optim.AdamW(weights + biases, lr=lr, weight_decay=0.0)
+    (default: zeros); ``layers``: 1 or 2 per head (one-layer ``init`` made two-layer).
+    ``soft`` > 0 mixes in that share of cross-entropy against the model's own distribution of the
+    token over ``out``'s ids (its logits from the row that produced it: row i + 1 + j for head j,
+    a row of the same answer by ``owner`` [n]; also where the token itself is past ``out``). The
+    held-out rows give ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all
+    guess right."""
+    count, device = len(tokens) - 1, out.device
+    if soft > 0 and owner is None:
+        raise ValueError("a soft loss needs owner: the answer each row belongs to")
+    owner = None if owner is None else owner.to(device)
+    heads = _initial_heads(init, count, hidden.shape[1], device, layers)
+    params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
+    for t in params:
+        t.requires_grad_()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
@@ -247,28 +290,75 @@ def fit_rows(
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
             i = order[first : first + batch]
-            losses = [
-                F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-                / max(1, int((target >= 0).sum()))
-                for logits, target in _chain(hidden[i], tokens[:, i], weights, biases, out, embed)
-            ]
+            chain = _chain(hidden[i], tokens[:, i], heads.steps(), out, embed)
+            losses = []
+            for j, (logits, target) in enumerate(chain):
+                loss = _hard_loss(logits, target)
+                if soft > 0:
+                    loss = (1 - soft) * loss + soft * _soft_loss(logits, hidden, owner, i, j, out)
+                losses.append(loss)
             opt.zero_grad()
             sum(losses).backward()
             opt.step()
             decay.step()
             bar.update()
     bar.close()
-    top1 = chain_top1(test_hidden, test_tokens, weights, biases, out, embed)
-    info = {
+    heads = heads.detached()
+    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
+    heads.info = {
+        "layers": layers,
+        "soft": soft,
         "vocab_prefix": len(out),
         "rows": len(rows),
         "heldout_top1_by_head": [round(t, 4) for t in top1],
         "heldout_top1": round(top1[0], 4),
     }
-    frequent = frequent_ids(tokens[1], embed.shape[0])
+    heads.frequent = frequent_ids(tokens[1], embed.shape[0])
+    return heads
+
+
+def _initial_heads(init, count, size, device, layers) -> DraftHeads:
+    """Trainable float32 copies of ``init``'s first ``count`` heads (zeros without one)."""
+    if init is None:
+        weights = [torch.zeros(size, 2 * size) for _ in range(count)]
+        init = DraftHeads(weights, [torch.zeros(size) for _ in range(count)], {})
+    if len(init) < count:
+        raise SelfSpecError(f"the heads to start from are {len(init)}, not the {count} to train")
+    if layers == 2:
+        init = init.two_layers()
+    elif init.layers != 1:
+        raise SelfSpecError("heads of one layer cannot start from heads of two")
+
+    def copies(tensors):
+        return None if tensors is None else [t.detach().clone() for t in tensors[:count]]
+
+    start = init.to(device)
     return DraftHeads(
-        [w.detach().cpu() for w in weights], [b.detach().cpu() for b in biases], info, frequent
+        copies(start.weights),
+        copies(start.biases),
+        {},
+        None,
+        copies(start.downs),
+        copies(start.down_biases),
     )
+
+
+def _hard_loss(logits, target):
+    return F.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / max(
+        1, int((target >= 0).sum())
+    )
+
+
+def _soft_loss(logits, hidden, owner, rows, j, out):
+    """Cross-entropy against the model's distribution over ``out``'s ids at the rows (of
+    ``hidden``) that produced head j's tokens, where that row belongs to the same answer."""
+    later = (rows + 1 + j).clamp(max=len(hidden) - 1)
+    same = (owner[later] == owner[rows]) & (rows + 1 + j < len(hidden))
+    if not bool(same.any()):
+        return logits.sum() * 0
+    with torch.no_grad():
+        target = torch.softmax(hidden[later[same]].to(out.device, torch.float32) @ out.T, -1)
+    return -(target * torch.log_softmax(logits[same], -1)).sum(-1).mean()
 
 
 def frequent_ids(tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS) -> torch.Tensor:
@@ -279,29 +369,29 @@ def frequent_ids(tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS
     return order[:count].clone()
 
 
-def _chain(hidden, tokens, weights, biases, out, embed):
+def _chain(hidden, tokens, steps, out, embed):
     """Per head: (logits over ``out``'s ids [rows, len(out)], the token to guess, -100 where
-    there is none in ``out``), the chain fed the true tokens."""
+    there is none in ``out``), the chain (``DraftHeads.steps``) fed the true tokens."""
     device = out.device
     state = hidden.to(device, torch.float32)
     tokens = tokens.to(device)
-    for j, (w, b) in enumerate(zip(weights, biases)):
+    for j, step in enumerate(steps):
         fed = token_input(embed[tokens[j].clamp(min=0).to(embed.device)].to(device))
-        state = head_step(state, fed, partial(F.linear, weight=w, bias=b))
+        state = step(state, fed)
         target = tokens[j + 1]
         yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
 
 
-def chain_top1(hidden, tokens, weights, biases, out, embed, batch=4096) -> list[float]:
+def chain_top1(hidden, tokens, heads: DraftHeads, out, embed, batch=4096) -> list[float]:
     """Per head j: the share of rows (those with a token for it) where heads 1..j all guess
     right."""
-    right = torch.zeros(len(weights))
-    total = torch.zeros(len(weights))
+    right = torch.zeros(len(heads))
+    total = torch.zeros(len(heads))
     with torch.no_grad():
         for first in range(0, hidden.shape[0], batch):
             chain = _chain(
                 hidden[first : first + batch], tokens[:, first : first + batch],
-                weights, biases, out, embed,
+                heads.steps(), out, embed,
             )  # fmt: skip
             so_far = None
             for j, (logits, target) in enumerate(chain):
@@ -321,11 +411,13 @@ def train_heads(
     max_new: int = 192,
     heads: int = 2,
     epochs: int = 3,
+    layers: int = 2,
+    soft: float = 0.5,
 ) -> DraftHeads:
     started = time.time()
     data = answers_for(engine, work, questions, max_new)
     rows = features(engine, data["prompts"], data["answers"], heads)
-    trained = fit(engine, rows, heads, epochs)
+    trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft)
     trained.info["seconds"] = round(time.time() - started)
     trained.save(out)
     return trained
@@ -344,6 +436,14 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--heads", type=int, default=2, help="heads to train, token 2, 3, ... (2)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the answers (3)")
+    parser.add_argument("--layers", type=int, choices=(1, 2), default=2, help="layers per head (2)")
+    parser.add_argument(
+        "--soft",
+        type=float,
+        default=0.5,
+        help="share of the loss against the model's own distribution of each token, the rest "
+        "against the token itself (0.5)",
+    )
     parser.add_argument(
         "--out",
         default=None,
@@ -363,11 +463,21 @@ def run(args) -> int:
         ("--epochs", args.epochs),
     ):
         check_at_least(flag, value, 1)
+    if not 0 <= args.soft <= 1:
+        raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
     engine = load_engine(args)
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
     work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
     heads = train_heads(
-        engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs
+        engine,
+        out,
+        work,
+        args.questions,
+        args.max_new_tokens,
+        args.heads,
+        args.epochs,
+        args.layers,
+        args.soft,
     )
     info = heads.info
     print(

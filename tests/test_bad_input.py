@@ -142,6 +142,12 @@ CLI_ROWS = [
         "--questions must be at least 1",
     ),
     (
+        "train-heads soft past 1",
+        ["train-heads", *M, "--soft", "2"],
+        None,
+        "--soft must be between 0 and 1",
+    ),
+    (
         "missing heads file",
         lambda t: ["generate", "hi", *M, "--heads", str(t / "absent.safetensors")],
         None,

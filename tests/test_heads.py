@@ -47,6 +47,55 @@ def test_heads_file_round_trip_and_clear_errors(tmp_path):
         DraftHeads.load(broken)
 
 
+def test_two_layer_heads_start_as_the_one_layer_heads_and_round_trip(tmp_path):
+    """Heads of two layers made from one-layer heads compute the same chain (D = I, d = 0); once
+    trained apart, they are saved and loaded as heads of two layers, and the drafter runs them."""
+    heads = random_heads(16, 2, 32)
+    two = heads.two_layers()
+    assert heads.layers == 1 and two.layers == 2 and two.hidden_size == 16
+    state, token = torch.randn(3, 16), torch.randn(3, 16)
+    for one_step, two_step in zip(heads.steps(), two.steps()):
+        assert torch.allclose(one_step(state, token), two_step(state, token), atol=1e-6)
+    two.downs = [d + 0.1 * torch.randn_like(d) for d in two.downs]
+    two.down_biases = [b + 0.1 for b in two.down_biases]
+    assert not torch.allclose(heads.steps()[0](state, token), two.steps()[0](state, token))
+    path = tmp_path / "two.safetensors"
+    two.save(path)
+    back = DraftHeads.load(path, hidden_size=16)
+    assert back.layers == 2 and len(back) == 2 and "two layers" in back.describe()
+    for a, b in zip(two.downs + two.down_biases, back.downs + back.down_biases):
+        assert torch.allclose(a, b, atol=1e-2)  # stored as float16
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    del tensors["head.1.down.bias"]
+    save_file(tensors, tmp_path / "cut.safetensors", metadata={"format": "selfspec-draft-heads/3"})
+    with pytest.raises(SelfSpecError, match="lack the tensor 'head.1.down.bias'"):
+        DraftHeads.load(tmp_path / "cut.safetensors")
+    products, downs = fastest_products(back, torch.device("cpu"))
+    x = torch.randn(2, 16)
+    assert torch.allclose(downs[1](x).float(), x @ back.downs[1].T + back.down_biases[1], atol=0.05)
+
+
+def test_the_soft_loss_reads_the_row_that_made_each_token_within_its_answer():
+    """Head j's soft target at row i is the model's distribution from row i + 1 + j, only where
+    that row is of the same answer; other rows get none (here: logits that equal the target give
+    the target's entropy, and a row from another answer would change it)."""
+    from selfspec.headtrain import _initial_heads, _soft_loss
+
+    out = torch.eye(4)  # logits = the hidden state itself
+    hidden = torch.tensor([[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0], [0, 0, 0, 3.0]])
+    owner = torch.tensor([0, 0, 1, 1])  # rows 0-1 one answer, rows 2-3 another
+    rows = torch.tensor([0, 1, 2])
+    logits = hidden[rows + 1]  # what a perfect head 0 would give
+    target = torch.softmax(hidden[[1, 3]], -1)  # rows 0 and 2 only: row 1's next is row 2's answer
+    entropy = -(target * target.log()).sum(-1).mean()
+    assert torch.allclose(_soft_loss(logits, hidden, owner, rows, 0, out), entropy)
+    assert float(_soft_loss(logits[:2], hidden, owner, torch.tensor([1, 3]), 0, out)) == 0.0
+    with pytest.raises(SelfSpecError, match="cannot start from heads of two"):
+        _initial_heads(random_heads(16, 2, 32).two_layers(), 2, 16, "cpu", layers=1)
+
+
 @pytest.fixture(scope="module")
 def peaked_tiny(tiny_llama, sharpened_head):
     with sharpened_head(tiny_llama, 60.0):
@@ -193,7 +242,8 @@ def test_head_products_in_8_bits_stay_close_to_float32():
     rounded = Q8Linear.from_float(heads.weights[0], heads.biases[0], kernel)(x)
     error = (rounded - exact).abs().max() / exact.abs().max()
     assert 0 < error < 0.02  # rounded, but only by 8-bit steps
-    products = fastest_products(heads, torch.device("cpu"))
+    products, downs = fastest_products(heads, torch.device("cpu"))
+    assert downs == [None, None]  # one-layer heads
     for product, weight, bias in zip(products, heads.weights, heads.biases):
         exact = torch.nn.functional.linear(x, weight, bias)
         assert torch.allclose(product(x).float(), exact, atol=0.05 * float(exact.abs().max()))

@@ -4,13 +4,16 @@ The verify pass that produced the pending token x (from row i) leaves the full m
 hidden state h_i behind. A chain of heads walks on from it, each fed the token before the one it
 guesses (x first, then its own guesses), and scores tokens through the model's own output head (as
 in Medusa; fed the token, as in EAGLE and Hydra, which is what makes the first guess good). A
-draft of k tokens costs k small products and k output-head passes over the draft's ids: a few
-percent of a target step each, where a layer-skip draft step costs most of one. The heads are the
-only weights here that the target lacks; they are trained on the target's own answers
+draft of k tokens costs k heads' small products and k output-head passes over the draft's ids: a
+few percent of a target step each, where a layer-skip draft step costs most of one. The heads are
+the only weights here that the target lacks; they are trained on the target's own answers
 (``selfspec.headtrain``), never on the prompts bench measures.
 
     s_0 = final_norm(h_i);  y_0 = x
     s_j+1 = s_j + silu(W_j [s_j ; e(y_j)] + b_j);  y_j+1 = argmax output_head(s_j+1) (greedy)
+
+Heads of two layers put a product after the activation: s_j+1 = s_j + D_j silu(W_j [s_j ; e] + b_j)
++ d_j (D_j = I and d_j = 0 is the one-layer head, which is how they start from one-layer heads).
 
 e(y) is the model's input embedding of y scaled to unit RMS. A guess only counts while every guess
 before it was right, and then the chain was fed the true tokens: training feeds the true tokens
@@ -23,6 +26,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,13 +44,14 @@ if TYPE_CHECKING:
     from selfspec.runner import ModelRunner
 
 FORMAT = "selfspec-draft-heads/2"
+FORMAT_TWO_LAYERS = "selfspec-draft-heads/3"  # /2's tensors plus head.j.down.weight / .bias
 # Ids a head draft scores (besides the context's): in the answers the shipped heads were trained
 # on, the 8192 most frequent cover 95% of a held-out half's tokens (16384: 98%); the guesses they
 # lose cost less than scoring twice the rows of the output head for every guess.
 FREQUENT_IDS = 8192
 _KEPT_INPUTS = 4096  # token inputs a drafter keeps (6 KB each at hidden size 1536)
 
-Product = Callable[[torch.Tensor], torch.Tensor]  # x [..., 2 * hidden] -> W x + b [..., hidden]
+Product = Callable[[torch.Tensor], torch.Tensor]  # x -> W x + b (a head's layer)
 
 
 def token_input(embedded: torch.Tensor) -> torch.Tensor:
@@ -55,29 +60,42 @@ def token_input(embedded: torch.Tensor) -> torch.Tensor:
     return embedded * torch.rsqrt(embedded.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def head_step(state: torch.Tensor, token: torch.Tensor, product: Product) -> torch.Tensor:
+def head_step(
+    state: torch.Tensor, token: torch.Tensor, product: Product, down: Product | None = None
+) -> torch.Tensor:
     """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], with ``product`` computing
     W x + b (training: the float32 weights being learned; drafting: what ``fastest_products``
-    chose). ``token`` is ``token_input`` of the token before the guess. Training
-    (``selfspec.headtrain``) and drafting both go through here."""
+    chose); heads of two layers apply ``down`` (D y + d) after the activation. ``token`` is
+    ``token_input`` of the token before the guess. Training (``selfspec.headtrain``) and drafting
+    both go through here."""
     both = torch.cat([state, token.to(state.device, state.dtype)], dim=-1)
-    return state + F.silu(product(both)).to(state.dtype)
+    update = F.silu(product(both))
+    if down is not None:
+        update = down(update)
+    return state + update.to(state.dtype)
 
 
 @dataclass
 class DraftHeads:
-    """Head j: weight [hidden, 2 * hidden] and bias [hidden], float32. ``frequent``: token ids by
-    how often the training answers used them, most first (None in files from before it): the ids
-    a draft scores."""
+    """Head j: weight [width, 2 * hidden] and bias [width], float32 (width = hidden); heads of two
+    layers also ``downs[j]`` [hidden, width] and ``down_biases[j]`` [hidden]. ``frequent``: token
+    ids by how often the training answers used them, most first (None in files from before it):
+    the ids a draft scores."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor]
     info: dict  # model, vocab_prefix, training figures: what ``describe`` and the CLI report
     frequent: torch.Tensor | None = None
+    downs: list[torch.Tensor] | None = None
+    down_biases: list[torch.Tensor] | None = None
 
     @property
     def hidden_size(self) -> int:
-        return self.weights[0].shape[0]
+        return self.weights[0].shape[1] // 2
+
+    @property
+    def layers(self) -> int:
+        return 1 if self.downs is None else 2
 
     @property
     def vocab_prefix(self) -> int:
@@ -94,12 +112,42 @@ class DraftHeads:
         return self.frequent[self.frequent < size][:FREQUENT_IDS]
 
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
+        def moved(tensors):
+            return None if tensors is None else [t.to(device, dtype) for t in tensors]
+
         return DraftHeads(
-            [w.to(device, dtype) for w in self.weights],
-            [b.to(device, dtype) for b in self.biases],
+            moved(self.weights),
+            moved(self.biases),
             self.info,
             self.frequent,
+            moved(self.downs),
+            moved(self.down_biases),
         )
+
+    def detached(self) -> DraftHeads:
+        """Float32 copies on the CPU, out of any autograd graph (trained heads, kept)."""
+
+        def copied(tensors):
+            return None if tensors is None else [t.detach().float().cpu().clone() for t in tensors]
+
+        return DraftHeads(
+            copied(self.weights),
+            copied(self.biases),
+            self.info,
+            self.frequent,
+            copied(self.downs),
+            copied(self.down_biases),
+        )
+
+    def two_layers(self) -> DraftHeads:
+        """These heads as heads of two layers that compute the same (D = I, d = 0): a start for
+        training two-layer heads."""
+        if self.downs is not None:
+            return self
+        eye = torch.eye(self.hidden_size, device=self.weights[0].device)
+        downs = [eye.clone() for _ in self.weights]
+        zeros = [torch.zeros_like(b) for b in self.biases]
+        return DraftHeads(self.weights, self.biases, self.info, self.frequent, downs, zeros)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save
@@ -108,9 +156,13 @@ class DraftHeads:
         for j, (w, b) in enumerate(zip(self.weights, self.biases)):
             tensors[f"head.{j}.weight"] = w.to(torch.float16).contiguous()
             tensors[f"head.{j}.bias"] = b.to(torch.float16).contiguous()
+        for j, (w, b) in enumerate(zip(self.downs or [], self.down_biases or [])):
+            tensors[f"head.{j}.down.weight"] = w.to(torch.float16).contiguous()
+            tensors[f"head.{j}.down.bias"] = b.to(torch.float16).contiguous()
         if self.frequent is not None:
             tensors["frequent"] = self.frequent.to(torch.int32).contiguous()
-        meta = {"format": FORMAT, "info": json.dumps(self.info, sort_keys=True)}
+        form = FORMAT if self.downs is None else FORMAT_TWO_LAYERS
+        meta = {"format": form, "info": json.dumps(self.info, sort_keys=True)}
         atomic_write_bytes(Path(path), save(tensors, metadata=meta))
 
     @classmethod
@@ -134,16 +186,33 @@ class DraftHeads:
                 f"{path} holds draft heads of an older selfspec (unchained); train them again "
                 "with selfspec train-heads"
             )
-        if meta.get("format") != FORMAT:
-            raise SelfSpecError(f"{path} is not a selfspec draft heads file ({FORMAT})")
-        count = len([k for k in tensors if k.endswith(".weight")])
+        if meta.get("format") not in (FORMAT, FORMAT_TWO_LAYERS):
+            raise SelfSpecError(
+                f"{path} is not a selfspec draft heads file ({FORMAT} or {FORMAT_TWO_LAYERS})"
+            )
+        count = len([k for k in tensors if k.endswith(".weight") and ".down." not in k])
         frequent = tensors.get("frequent")
-        heads = cls(
-            [tensors[f"head.{j}.weight"] for j in range(count)],
-            [tensors[f"head.{j}.bias"] for j in range(count)],
-            json.loads(meta.get("info", "{}")),
-            frequent.long() if frequent is not None else None,
-        )
+        two = meta["format"] == FORMAT_TWO_LAYERS
+        try:
+            heads = cls(
+                [tensors[f"head.{j}.weight"] for j in range(count)],
+                [tensors[f"head.{j}.bias"] for j in range(count)],
+                json.loads(meta.get("info", "{}")),
+                frequent.long() if frequent is not None else None,
+                [tensors[f"head.{j}.down.weight"] for j in range(count)] if two else None,
+                [tensors[f"head.{j}.down.bias"] for j in range(count)] if two else None,
+            )
+        except KeyError as missing:
+            raise SelfSpecError(
+                f"draft heads {path} lack the tensor {missing}; train them again with selfspec "
+                "train-heads"
+            ) from None
+        for j, down in enumerate(heads.downs or []):
+            if down.shape != (heads.hidden_size, heads.weights[j].shape[0]):
+                raise SelfSpecError(
+                    f"draft heads {path}: head {j}'s second layer has the shape "
+                    f"{tuple(down.shape)}; train them again with selfspec train-heads"
+                )
         if hidden_size is not None and heads.hidden_size != hidden_size:
             raise SelfSpecError(
                 f"draft heads {path} were trained for hidden size {heads.hidden_size}, this model "
@@ -154,7 +223,21 @@ class DraftHeads:
     def describe(self) -> str:
         top1 = self.info.get("heldout_top1")
         kept = f", first guess right on {top1:.0%} of held-out answer tokens" if top1 else ""
-        return f"{len(self)} chained draft head(s) on the final hidden state{kept}"
+        layers = " of two layers" if self.downs is not None else ""
+        return f"{len(self)} chained draft head(s){layers} on the final hidden state{kept}"
+
+    def steps(self) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+        """Per head, (state, token input) -> next state in float32 (training and measuring)."""
+        downs = self.downs or [None] * len(self)
+        down_biases = self.down_biases or [None] * len(self)
+        return [
+            partial(
+                head_step,
+                product=partial(F.linear, weight=w, bias=b),
+                down=None if d is None else partial(F.linear, weight=d, bias=c),
+            )
+            for w, b, d, c in zip(self.weights, self.biases, downs, down_biases)
+        ]
 
 
 class HeadDrafter(Drafter):
@@ -167,7 +250,7 @@ class HeadDrafter(Drafter):
         super().__init__()
         self.runner = runner
         self.heads = heads.to(runner.device)
-        self.products = fastest_products(self.heads, runner.device)
+        self.products, self.down_products = fastest_products(self.heads, runner.device)
         base = heads.draft_vocab(runner.head_rows)
         self.vocab = DraftVocab(base, runner.head_rows, always=stop_ids)
         self.vocab.prepare(runner.adapter.model.lm_head)
@@ -252,8 +335,8 @@ class HeadDrafter(Drafter):
         [S, hidden] holds the final hidden state of the row that made sequence i's pending token
         ``tokens[i]``. Up to ``steps`` guesses each, with its chance (the product of the heads'
         top probabilities so far); the chains stop together once no chance reaches ``going_on``.
-        Each step is one product and one pass of the output head over the draft's ids for all S
-        rows: about one sequence's cost."""
+        Each step is one head's products and one pass of the output head over the draft's ids for
+        all S rows: about one sequence's cost."""
         normed = self.runner.adapter.final_norm(hidden)
         state, current = normed.float(), list(tokens)
         chances = torch.ones(len(tokens))
@@ -273,7 +356,7 @@ class HeadDrafter(Drafter):
     def _link(self, j: int, state: torch.Tensor, inputs: torch.Tensor, dtype: torch.dtype):
         """Head j over states [S, hidden] fed ``inputs`` (``token_input`` of the tokens before the
         guesses): the next states and their logits over the draft's ids [S, ids], float32."""
-        state = head_step(state, inputs, self.products[j])
+        state = head_step(state, inputs, self.products[j], self.down_products[j])
         logits = self.runner.adapter.normed_logits(state.to(dtype)[None], self.vocab)[0]
         return state, logits.float()
 
@@ -295,26 +378,40 @@ class HeadDrafter(Drafter):
         self._hidden = last[m : m + 1].clone() if last is not None and m < len(last) else None
 
 
-def fastest_products(heads: DraftHeads, device: torch.device) -> list[Product]:
-    """Each head's product W x + b (x = [s ; e]) as drafting runs it, in the arithmetic this
+def fastest_products(
+    heads: DraftHeads, device: torch.device
+) -> tuple[list[Product], list[Product | None]]:
+    """Each head's product W x + b (x = [s ; e]) as drafting runs it, and its second layer's
+    D y + d (None per head for one-layer heads): two lists of ``Product``, in the arithmetic this
     machine runs fastest: float32, bfloat16 (several times faster on CPUs with bfloat16
     instructions, slower on others) or, where selfspec's kernel runs 8-bit integer dot products,
     the weights rounded to 8 bits per 32 as in a Q8_0 file (read in a quarter of float32's time).
     Timed, not assumed. A head's guess is a guess: the rounding changes which drafts are kept,
     never the output."""
+    make = _fastest_maker(heads, device)
+    products = [make(w, b) for w, b in zip(heads.weights, heads.biases)]
+    if heads.downs is None:
+        return products, [None] * len(products)
+    return products, [make(w, b) for w, b in zip(heads.downs, heads.down_biases)]
+
+
+def _fastest_maker(heads: DraftHeads, device: torch.device) -> Callable:
     if device.type != "cpu":
-        return [_float_product(w, b, torch.float32) for w, b in zip(heads.weights, heads.biases)]
+        return lambda w, b: _float_product(w, b, torch.float32)
     makers = {
         "float32": lambda w, b: _float_product(w, b, torch.float32),
         "bfloat16": lambda w, b: _float_product(w, b, torch.bfloat16),
     }
     kernel = loaded_kernel()  # where the model's speed mode loaded it: not built for the heads
-    rows, columns = heads.weights[0].shape
-    if kernel is not None and rows % (PANEL * kernel.panels_per_group()) == 0 and columns % 32 == 0:
+    shapes = [heads.weights[0].shape] + ([heads.downs[0].shape] if heads.downs else [])
+    if kernel is not None and all(
+        rows % (PANEL * kernel.panels_per_group()) == 0 and columns % 32 == 0
+        for rows, columns in shapes
+    ):
         from selfspec.quantized import Q8Linear
 
         makers["q8"] = lambda w, b: Q8Linear.from_float(w, b, kernel)
-    vector = torch.randn(1, columns)
+    vector = torch.randn(1, heads.weights[0].shape[1])
     seconds = {}
     for name, make in makers.items():
         product = make(heads.weights[0], heads.biases[0])
@@ -325,8 +422,7 @@ def fastest_products(heads: DraftHeads, device: torch.device) -> list[Product]:
             product(vector)
             times.append(time.perf_counter() - start)
         seconds[name] = min(times)
-    make = makers[min(seconds, key=seconds.get)]
-    return [make(w, b) for w, b in zip(heads.weights, heads.biases)]
+    return makers[min(seconds, key=seconds.get)]
 
 
 def _float_product(weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> Product:

@@ -7,16 +7,21 @@ session. Spec-Bench is never read.
 transformers' own model runs here (bfloat16, batched `generate`), so the answers and hidden
 states are the float model's, not a CPU speed mode's; the heads are measured on the CPU afterwards
 by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue raw text (an
-answer cut short, no chat template), as prompts do that continue code.
+answer cut short, no chat template), as prompts do that continue code, and some ask for a task
+over one of the model's own answers (a summary, an answer from the passage, a translation...:
+``headtrain.TASKS``), as prompts do that bring a document.
 
     python3 tests/gpu/train_heads.py MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
         [--answers A.safetensors[.xz] ...]   # earlier runs' answers: train on them too
                                               # (and write none unless --generate-seconds)
         [--init heads.safetensors]        # start from these heads instead of zeros
         [--compare heads.safetensors]     # also measure these heads on the same held-out rows
+        [--variants 1 2-soft ...]         # heads of 1 or 2 layers, "-soft": half the loss
+                                          # against the model's own distribution; one file each
 
-Writes OUT_DIR/heads.safetensors, OUT_DIR/answers.safetensors (every prompt and answer as token
-ids) and OUT_DIR/questions.json, each as soon as it is ready.
+Writes OUT_DIR/heads.safetensors (the first variant; later ones heads-VARIANT.safetensors),
+OUT_DIR/answers.safetensors (every prompt and answer as token ids) and OUT_DIR/questions.json,
+each as soon as it is ready.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from selfspec.headtrain import (  # noqa: E402
     chain_tokens,
     chain_top1,
     fit_rows,
+    task_prompt,
 )
 
 STARTED = time.time()
@@ -140,8 +146,9 @@ def read_answers(path):
 
 
 def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
-    """Questions written by the model, its answers and raw-text continuations, saved to out_dir:
-    (prompts, answers, continuations)."""
+    """Questions written by the model, its answers, its answers to tasks over some of them and
+    raw-text continuations, saved to out_dir: (prompts, answers, continuations), the answers
+    holding all three kinds."""
     asks = [
         chat(QUESTION_PROMPT.format(n=15, topic=t)) for t in TOPICS[: args.topics]
     ] * args.samples_per_topic
@@ -158,9 +165,21 @@ def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
     prompts = [chat(q) for q in questions]
     answers = generate(model, prompts, args.max_new_tokens, args.batch, eos, pad, deadline=deadline)
     prompts = prompts[: len(answers)]
+    tasks = [
+        chat(task_prompt(tok.decode(a, skip_special_tokens=True), q, rng))
+        for q, a in zip(questions, answers)
+        if len(a) >= 96
+    ][: args.task_prompts]
+    # in batches of at most 512: the deadline is checked between batches
+    worked = generate(
+        model, tasks, args.max_new_tokens, min(args.batch, 512), eos, pad,
+        deadline=time.time() + args.task_seconds,
+    )  # fmt: skip
+    prompts += tasks[: len(worked)]
+    answers += worked
     raw = [p for p in (cut_for_continuation(a, rng) for a in answers) if p]
     raw = raw[: args.continuations]
-    more = generate(model, raw, 192, args.batch, eos, pad, deadline=deadline + 30)
+    more = generate(model, raw, 192, args.batch, eos, pad, deadline=time.time() + 30)
     prompts += raw[: len(more)]
     answers += more
     lengths = [(len(p), len(a)) for p, a in zip(prompts, answers)]
@@ -174,7 +193,10 @@ def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
         str(out_dir / "answers.safetensors"),
         metadata={"continuations_from": str(len(answers) - len(more))},
     )
-    log(f"{len(answers)} answers ({len(more)} continue raw text), {sum(map(len, answers))} tokens")
+    log(
+        f"{len(answers)} answers ({len(worked)} to tasks over earlier answers, {len(more)} "
+        f"continue raw text), {sum(map(len, answers))} tokens"
+    )
     return prompts, answers, more
 
 
@@ -187,6 +209,10 @@ def main() -> None:
     parser.add_argument("--name", default="qwen2.5-coder-1.5b", help="the model's selfspec name")
     parser.add_argument("--questions", type=int, default=6144)
     parser.add_argument("--continuations", type=int, default=1024)
+    parser.add_argument(
+        "--task-prompts", type=int, default=2048, help="tasks over earlier answers (summaries...)"
+    )
+    parser.add_argument("--task-seconds", type=float, default=60, help="time to answer them")
     parser.add_argument("--topics", type=int, default=len(TOPICS))
     parser.add_argument("--samples-per-topic", type=int, default=12)
     parser.add_argument("--question-tokens", type=int, default=420)
@@ -204,6 +230,13 @@ def main() -> None:
     parser.add_argument("--compare", help="heads to measure on the same held-out rows")
     parser.add_argument("--lr", type=float, default=1e-3, help="first learning rate (decays)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for the questions")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["2-soft"],
+        choices=["1", "2", "1-soft", "2-soft"],
+        help="heads of 1 or 2 layers, -soft: half the loss against the model's distribution",
+    )
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,16 +270,24 @@ def main() -> None:
     if args.generate_seconds is None:
         args.generate_seconds = 0 if args.answers else 150
     prompts, answers, more = [], [], []
-    if args.generate_seconds > 0:
-        prompts, answers, more = write_answers(model, tok, chat, eos, pad, rng, args, out_dir)
-    for path in args.answers:
+    for path in args.answers:  # first, so that their held-out answers stay those they had
         for kept, read in zip((prompts, answers, more), read_answers(path)):
             kept += read
+    if args.generate_seconds > 0:
+        for kept, new in zip(
+            (prompts, answers, more), write_answers(model, tok, chat, eos, pad, rng, args, out_dir)
+        ):
+            kept += new
 
     hidden, labels, order = features(model, prompts, answers, args.heads)
+    train_variants(model, hidden, labels, order, args, out_dir, len(answers), len(more))
+
+
+def train_variants(model, hidden, labels, order, args, out_dir, answers, continuations) -> None:
+    """Heads per ``--variants`` on the same rows, each saved as soon as it is trained."""
     # held out: answers 0, 20, 40, ... (the questions were shuffled), wherever sorting put them.
-    # With new answers first and earlier sets after them, an earlier set's rows shift: heads
-    # trained on it (--init, --compare) may have seen some of these rows.
+    # Earlier sets come first, so an earlier set's held-out answers are those it had when it was
+    # new (heads trained on it alone, --init, --compare, have not seen them) if it came first then.
     test = [i for i, k in enumerate(order) if k % 20 == 0]
     train = [i for i, k in enumerate(order) if k % 20 != 0]
     out_rows = model.get_output_embeddings().weight[:32768].detach().float()
@@ -255,31 +296,39 @@ def main() -> None:
     test_labels = torch.cat([labels[i] for i in test], dim=1).to(DEVICE)
     if args.compare:
         old = DraftHeads.load(args.compare).to(DEVICE)
-        top1 = chain_top1(test_hidden, test_labels, old.weights, old.biases, out_rows, embed)
+        top1 = chain_top1(test_hidden, test_labels, old, out_rows, embed)
         log(f"{args.compare} on these held-out rows: {[round(t, 4) for t in top1]}")
-    heads = fit_rows(
-        torch.cat([hidden[i] for i in train]),
-        torch.cat([labels[i] for i in train], dim=1).to(DEVICE),
-        test_hidden,
-        test_labels,
-        out_rows,
-        embed,
-        args.epochs,
-        batch=4096,
-        lr=args.lr,
-        init=DraftHeads.load(args.init) if args.init else None,
-    )
-    heads.info.update(
-        model=args.name,
-        trained_on=f"{DEVICE}, transformers, {model.dtype}",
-        answers=len(answers),
-        continuations=len(more),
-        epochs=args.epochs,
-        initialised_from=Path(args.init).name if args.init else None,
-        seconds=round(time.time() - STARTED),
-    )
-    heads.save(out_dir / "heads.safetensors")
-    log(f"heads: {heads.info}")
+    train_hidden = torch.cat([hidden[i] for i in train])
+    train_labels = torch.cat([labels[i] for i in train], dim=1).to(DEVICE)
+    owner = torch.cat([torch.full((len(hidden[i]),), i) for i in train]).to(DEVICE)
+    for n, variant in enumerate(args.variants):
+        heads = fit_rows(
+            train_hidden,
+            train_labels,
+            test_hidden,
+            test_labels,
+            out_rows,
+            embed,
+            args.epochs,
+            batch=4096,
+            lr=args.lr,
+            init=DraftHeads.load(args.init) if args.init else None,
+            layers=int(variant[0]),
+            soft=0.5 if variant.endswith("-soft") else 0.0,
+            owner=owner,
+        )
+        heads.info.update(
+            model=args.name,
+            trained_on=f"{DEVICE}, transformers, {model.dtype}",
+            answers=answers,
+            continuations=continuations,
+            epochs=args.epochs,
+            variant=variant,
+            initialised_from=Path(args.init).name if args.init else None,
+            seconds=round(time.time() - STARTED),
+        )
+        heads.save(out_dir / ("heads.safetensors" if n == 0 else f"heads-{variant}.safetensors"))
+        log(f"heads {variant}: {heads.info}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def _chains(runner, adapter, heads, category, prompt, answer) -> dict:
     guesses = {v: [] for v in VOCABS}  # vocab -> per head j: (ids [n], confidence [n])
     for j in range(len(heads.heads)):
         feed = torch.cat([heads._token_input(answer[min(i + j, n - 1)]) for i in range(n)])
-        state = head_step(state, feed, heads.products[j])
+        state = head_step(state, feed, heads.products[j], heads.down_products[j])
         logits = adapter.normed_logits(state.to(hidden.dtype)[None], heads.vocab)[0].float()
         hidden_later = extra_seen[None, :] > len(prompt) + torch.arange(n)[:, None]
         logits[:, len(base) :] = logits[:, len(base) :].masked_fill(hidden_later, float("-inf"))
@@ -93,6 +93,7 @@ def _chains(runner, adapter, heads, category, prompt, answer) -> dict:
 class Policy:
     vocab: int = 8192  # the committed draft vocabulary (16384 until stop 41)
     guess_cost: float = 0.0  # plain steps; 0: a 16384-id guess's 0.039, scaled by its bytes
+    head_mb: float = 5.0  # a head's weights as a guess reads them (two layers: 7.5)
     rows: tuple = FAST_ROWS
     row_slope: float = 0.15  # past the table
     context_tokens: int = 3  # a context match drafts this many
@@ -103,8 +104,9 @@ class Policy:
     believed_rows: tuple | None = None  # verify costs the rule decides by, where not ``rows``
 
     def __post_init__(self) -> None:
-        if not self.guess_cost:  # a guess reads 5 MB of head weights and 1.26 KB per draft id
-            object.__setattr__(self, "guess_cost", 0.039 * (5.0 + 1.26e-3 * self.vocab) / 25.6)
+        if not self.guess_cost:  # a guess reads head_mb MB of head weights, 1.26 KB per draft id
+            cost = 0.039 * (self.head_mb + 1.26e-3 * self.vocab) / 25.6
+            object.__setattr__(self, "guess_cost", cost)
 
     def verify(self, rows: int, believed: bool = False) -> float:
         """A verify pass's cost in plain steps: paid, or as the rule believes it (``believed``)."""
@@ -182,7 +184,7 @@ def replay_one(policy: Policy, rec: dict) -> tuple[int, float]:
 
 def replay(args) -> None:
     records = torch.load(args.answers, weights_only=False)
-    base = Policy()
+    base = Policy(head_mb=args.head_mb)
     variants = {
         "committed policy": base,
         "oracle chain length": replace(base, oracle=True),
@@ -226,6 +228,7 @@ def main() -> None:
     rec.add_argument("--heads", help="draft heads file (default: the model's)")
     rep = sub.add_parser("replay")
     rep.add_argument("answers")
+    rep.add_argument("--head-mb", type=float, default=5.0, help="two-layer heads: 7.5")
     args = parser.parse_args()
     if args.command == "record":
         record(args)
