@@ -131,24 +131,33 @@ def add_questions(questions: list[str], text: str) -> None:
 
 
 def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dict:
-    """The questions and the model's answers, from ``work`` if an earlier run saved them."""
+    """The questions and the model's answers, then tasks over a quarter of those answers and the
+    model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them."""
     path = work / "answers.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("max_new") == max_new and len(data["answers"]) >= questions:
-            return data
-    per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
-    asked = write_questions(engine, per_topic, TOPICS[: -(-questions // per_topic) + 4])
-    random.Random(0).shuffle(asked)
-    asked = asked[:questions]
-    prompts = [engine.encode(q, chat=True) for q in asked]
-    data = {
-        "questions": asked,
-        "prompts": prompts,
-        "answers": generate_greedy(engine, prompts, max_new, "answers"),
-        "max_new": max_new,
-    }
-    atomic_write_text(path, json.dumps(data))
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if data.get("max_new") != max_new or len(data.get("answers", ())) < questions:
+        per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
+        asked = write_questions(engine, per_topic, TOPICS[: -(-questions // per_topic) + 4])
+        random.Random(0).shuffle(asked)
+        asked = asked[:questions]
+        prompts = [engine.encode(q, chat=True) for q in asked]
+        data = {
+            "questions": asked,
+            "prompts": prompts,
+            "answers": generate_greedy(engine, prompts, max_new, "answers"),
+            "max_new": max_new,
+        }
+        atomic_write_text(path, json.dumps(data))
+    if "task_answers" not in data:
+        rng, decode = random.Random(0), engine.tokenizer.decode
+        tasks = [
+            engine.encode(task_prompt(decode(a, skip_special_tokens=True), q, rng), chat=True)
+            for q, a in zip(data["questions"], data["answers"])
+            if len(a) >= 32
+        ][: max(1, len(data["answers"]) // 4)]
+        data["task_prompts"] = tasks
+        data["task_answers"] = generate_greedy(engine, tasks, max_new, "tasks")
+        atomic_write_text(path, json.dumps(data))
     return data
 
 
@@ -416,7 +425,10 @@ def train_heads(
 ) -> DraftHeads:
     started = time.time()
     data = answers_for(engine, work, questions, max_new)
-    rows = features(engine, data["prompts"], data["answers"], heads)
+    prompts = data["prompts"] + data["task_prompts"]
+    pairs = list(zip(prompts, data["answers"] + data["task_answers"]))
+    random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
+    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads)
     trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft)
     trained.info["seconds"] = round(time.time() - started)
     trained.save(out)

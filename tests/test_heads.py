@@ -3,6 +3,8 @@ lossless, the heads learn something real, files fail clearly, and training resum
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_sampling import assert_keeps_target_distribution, drafted_second_token_counts
@@ -130,10 +132,13 @@ def trained(smollm2, tmp_path_factory):
 def test_trained_heads_guess_better_than_chance_and_training_resumes(smollm2, trained):
     heads, out, work = trained
     loaded = DraftHeads.load(out, hidden_size=smollm2.loaded.model.config.hidden_size)
-    assert len(loaded) == 2 and 12 <= loaded.info["answers"] <= 24
+    assert len(loaded) == 2 and 12 <= loaded.info["answers"] <= 24 + 6  # answers and tasks
     # the model's own next-next token out of 32768 candidates: chance is ~0
     assert loaded.info["heldout_top1"] > 0.05
     answers = work / "answers.json"
+    saved = json.loads(answers.read_text())
+    assert 1 <= len(saved["task_answers"]) == len(saved["task_prompts"]) <= 6
+    assert loaded.info["answers"] == len(saved["answers"]) + len(saved["task_answers"])
     stamp = answers.stat().st_mtime_ns
     again = train_heads(smollm2, out, work, questions=24, max_new=48, heads=1, epochs=1)
     assert answers.stat().st_mtime_ns == stamp  # the saved answers were reused, not regenerated
