@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,14 @@ def task_prompt(text: str, question: str, rng: random.Random) -> str:
     return task.format(text=text.strip(), question=question, language=rng.choice(LANGUAGES))
 
 
+def task_texts(questions, answers, decode, rng: random.Random, count: int, min_tokens: int):
+    """Up to ``count`` task prompts (``task_prompt``, as text) over the answers (token ids, read
+    with ``decode``) of at least ``min_tokens`` tokens, each with the question it answered."""
+    return [
+        task_prompt(decode(a), q, rng) for q, a in zip(questions, answers) if len(a) >= min_tokens
+    ][:count]
+
+
 def write_questions(engine: Engine, per_topic: int, topics=TOPICS) -> list[str]:
     prompts = [
         engine.encode(QUESTION_PROMPT.format(n=per_topic, topic=t), chat=True) for t in topics
@@ -149,12 +158,15 @@ def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dic
         }
         atomic_write_text(path, json.dumps(data))
     if "task_answers" not in data:
-        rng, decode = random.Random(0), engine.tokenizer.decode
-        tasks = [
-            engine.encode(task_prompt(decode(a, skip_special_tokens=True), q, rng), chat=True)
-            for q, a in zip(data["questions"], data["answers"])
-            if len(a) >= 32
-        ][: max(1, len(data["answers"]) // 4)]
+        texts = task_texts(
+            data["questions"],
+            data["answers"],
+            partial(engine.tokenizer.decode, skip_special_tokens=True),
+            random.Random(0),
+            count=max(1, len(data["answers"]) // 4),
+            min_tokens=32,
+        )
+        tasks = [engine.encode(text, chat=True) for text in texts]
         data["task_prompts"] = tasks
         data["task_answers"] = generate_greedy(engine, tasks, max_new, "tasks")
         atomic_write_text(path, json.dumps(data))
@@ -291,6 +303,7 @@ def fit_rows(
     for t in params:
         t.requires_grad_()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
     rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
@@ -299,7 +312,7 @@ def fit_rows(
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
             i = order[first : first + batch]
-            chain = _chain(hidden[i], tokens[:, i], heads.steps(), out, embed)
+            chain = _chain(hidden[i], tokens[:, i], links, out, embed)
             losses = []
             for j, (logits, target) in enumerate(chain):
                 loss = _hard_loss(logits, target)
@@ -337,19 +350,16 @@ def _initial_heads(init, count, size, device, layers) -> DraftHeads:
         init = init.two_layers()
     elif init.layers != 1:
         raise SelfSpecError("heads of one layer cannot start from heads of two")
-
-    def copies(tensors):
-        return None if tensors is None else [t.detach().clone() for t in tensors[:count]]
-
-    start = init.to(device)
-    return DraftHeads(
-        copies(start.weights),
-        copies(start.biases),
+    two = init.downs is not None
+    first = DraftHeads(
+        init.weights[:count],
+        init.biases[:count],
         {},
         None,
-        copies(start.downs),
-        copies(start.down_biases),
+        init.downs[:count] if two else None,
+        init.down_biases[:count] if two else None,
     )
+    return first.mapped(lambda t: t.to(device, torch.float32).detach().clone())
 
 
 def _hard_loss(logits, target):

@@ -111,33 +111,27 @@ class DraftHeads:
             return min(self.vocab_prefix, size)
         return self.frequent[self.frequent < size][:FREQUENT_IDS]
 
-    def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
-        def moved(tensors):
-            return None if tensors is None else [t.to(device, dtype) for t in tensors]
+    def mapped(self, change: Callable[[torch.Tensor], torch.Tensor]) -> DraftHeads:
+        """These heads with ``change`` applied to every weight and bias (info, frequent kept)."""
+
+        def changed(tensors):
+            return None if tensors is None else [change(t) for t in tensors]
 
         return DraftHeads(
-            moved(self.weights),
-            moved(self.biases),
+            changed(self.weights),
+            changed(self.biases),
             self.info,
             self.frequent,
-            moved(self.downs),
-            moved(self.down_biases),
+            changed(self.downs),
+            changed(self.down_biases),
         )
+
+    def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
+        return self.mapped(lambda t: t.to(device, dtype))
 
     def detached(self) -> DraftHeads:
         """Float32 copies on the CPU, out of any autograd graph (trained heads, kept)."""
-
-        def copied(tensors):
-            return None if tensors is None else [t.detach().float().cpu().clone() for t in tensors]
-
-        return DraftHeads(
-            copied(self.weights),
-            copied(self.biases),
-            self.info,
-            self.frequent,
-            copied(self.downs),
-            copied(self.down_biases),
-        )
+        return self.mapped(lambda t: t.detach().float().cpu().clone())
 
     def two_layers(self) -> DraftHeads:
         """These heads as heads of two layers that compute the same (D = I, d = 0): a start for

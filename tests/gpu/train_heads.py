@@ -31,6 +31,7 @@ import json
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ from selfspec.headtrain import (  # noqa: E402
     chain_tokens,
     chain_top1,
     fit_rows,
-    task_prompt,
+    task_texts,
 )
 
 STARTED = time.time()
@@ -165,11 +166,9 @@ def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
     prompts = [chat(q) for q in questions]
     answers = generate(model, prompts, args.max_new_tokens, args.batch, eos, pad, deadline=deadline)
     prompts = prompts[: len(answers)]
-    tasks = [
-        chat(task_prompt(tok.decode(a, skip_special_tokens=True), q, rng))
-        for q, a in zip(questions, answers)
-        if len(a) >= 96
-    ][: args.task_prompts]
+    decode = partial(tok.decode, skip_special_tokens=True)
+    texts = task_texts(questions, answers, decode, rng, args.task_prompts, min_tokens=96)
+    tasks = [chat(text) for text in texts]
     # in batches of at most 512: the deadline is checked between batches
     worked = generate(
         model, tasks, args.max_new_tokens, min(args.batch, 512), eos, pad,
@@ -301,6 +300,7 @@ def train_variants(model, hidden, labels, order, args, out_dir, answers, continu
     train_hidden = torch.cat([hidden[i] for i in train])
     train_labels = torch.cat([labels[i] for i in train], dim=1).to(DEVICE)
     owner = torch.cat([torch.full((len(hidden[i]),), i) for i in train]).to(DEVICE)
+    init = DraftHeads.load(args.init) if args.init else None
     for n, variant in enumerate(args.variants):
         heads = fit_rows(
             train_hidden,
@@ -312,7 +312,7 @@ def train_variants(model, hidden, labels, order, args, out_dir, answers, continu
             args.epochs,
             batch=4096,
             lr=args.lr,
-            init=DraftHeads.load(args.init) if args.init else None,
+            init=init,
             layers=int(variant[0]),
             soft=0.5 if variant.endswith("-soft") else 0.0,
             owner=owner,
