@@ -8,6 +8,8 @@ Spec-Bench's prompts are never used, so bench measures the heads on text they ha
     data  = answers_for(engine, work, questions, max_new)   # saved atomically: a rerun resumes
     rows  = features(engine, data["prompts"], data["answers"], heads)
     heads = fit(engine, rows, heads, epochs)   # held-out answers: heads.info["heldout_top1"]
+
+The training arithmetic itself is ``selfspec.headfit``'s, which the GPU script shares.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
-from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, token_input
+from selfspec.drafters.heads import DraftHeads
 from selfspec.errors import SelfSpecError
 from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
+from selfspec.headfit import fit_rows
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine
@@ -268,158 +270,6 @@ def fit(
         epochs=epochs,
     )
     return trained
-
-
-def fit_rows(
-    hidden,
-    tokens,
-    test_hidden,
-    test_tokens,
-    out,
-    embed,
-    epochs,
-    batch=256,
-    lr=1e-3,
-    init=None,
-    layers=2,
-    soft=0.5,
-    owner=None,
-):
-    """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
-    [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
-    holds every token's input embedding [vocab, hidden]; ``init``: ``DraftHeads`` to start from
-    (default: zeros); ``layers``: 1 or 2 per head (one-layer ``init`` made two-layer).
-    ``soft`` > 0 mixes in that share of cross-entropy against the model's own distribution of the
-    token over ``out``'s ids (its logits from the row that produced it: row i + 1 + j for head j,
-    a row of the same answer by ``owner`` [n]; also where the token itself is past ``out``). The
-    held-out rows give ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all
-    guess right."""
-    count, device = len(tokens) - 1, out.device
-    if soft > 0 and owner is None:
-        raise ValueError("a soft loss needs owner: the answer each row belongs to")
-    owner = None if owner is None else owner.to(device)
-    heads = _initial_heads(init, count, hidden.shape[1], device, layers)
-    params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
-    for t in params:
-        t.requires_grad_()
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
-    rows = (tokens[1] >= 0).nonzero()[:, 0]
-    steps = epochs * -(-len(rows) // batch)
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
-    bar = progress_bar(steps, f"{count} chained heads", unit="batch")
-    for _ in range(epochs):
-        order = rows[torch.randperm(len(rows), device=rows.device)]
-        for first in range(0, len(order), batch):
-            i = order[first : first + batch]
-            chain = _chain(hidden[i], tokens[:, i], links, out, embed)
-            losses = []
-            for j, (logits, target) in enumerate(chain):
-                loss = _hard_loss(logits, target)
-                if soft > 0:
-                    loss = (1 - soft) * loss + soft * _soft_loss(logits, hidden, owner, i, j, out)
-                losses.append(loss)
-            opt.zero_grad()
-            sum(losses).backward()
-            opt.step()
-            decay.step()
-            bar.update()
-    bar.close()
-    heads = heads.detached()
-    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
-    heads.info = {
-        "layers": layers,
-        "soft": soft,
-        "vocab_prefix": len(out),
-        "rows": len(rows),
-        "heldout_top1_by_head": [round(t, 4) for t in top1],
-        "heldout_top1": round(top1[0], 4),
-    }
-    heads.frequent = frequent_ids(tokens[1], embed.shape[0])
-    return heads
-
-
-def _initial_heads(init, count, size, device, layers) -> DraftHeads:
-    """Trainable float32 copies of ``init``'s first ``count`` heads (zeros without one)."""
-    if init is None:
-        weights = [torch.zeros(size, 2 * size) for _ in range(count)]
-        init = DraftHeads(weights, [torch.zeros(size) for _ in range(count)], {})
-    if len(init) < count:
-        raise SelfSpecError(f"the heads to start from are {len(init)}, not the {count} to train")
-    if layers == 2:
-        init = init.two_layers()
-    elif init.layers != 1:
-        raise SelfSpecError("heads of one layer cannot start from heads of two")
-    two = init.downs is not None
-    first = DraftHeads(
-        init.weights[:count],
-        init.biases[:count],
-        {},
-        None,
-        init.downs[:count] if two else None,
-        init.down_biases[:count] if two else None,
-    )
-    return first.mapped(lambda t: t.to(device, torch.float32).detach().clone())
-
-
-def _hard_loss(logits, target):
-    return F.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / max(
-        1, int((target >= 0).sum())
-    )
-
-
-def _soft_loss(logits, hidden, owner, rows, j, out):
-    """Cross-entropy against the model's distribution over ``out``'s ids at the rows (of
-    ``hidden``) that produced head j's tokens, where that row belongs to the same answer."""
-    later = (rows + 1 + j).clamp(max=len(hidden) - 1)
-    same = (owner[later] == owner[rows]) & (rows + 1 + j < len(hidden))
-    if not bool(same.any()):
-        return logits.sum() * 0
-    with torch.no_grad():
-        target = torch.softmax(hidden[later[same]].to(out.device, torch.float32) @ out.T, -1)
-    return -(target * torch.log_softmax(logits[same], -1)).sum(-1).mean()
-
-
-def frequent_ids(tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS) -> torch.Tensor:
-    """Up to ``count`` token ids, those ``tokens`` (-1: none) holds most often first (ties: lower id
-    first), then the lowest ids it lacks."""
-    seen = torch.bincount(tokens[tokens >= 0].cpu().long(), minlength=vocab)[:vocab]
-    order = torch.sort(-seen, stable=True).indices  # by count, ids in order within a count
-    return order[:count].clone()
-
-
-def _chain(hidden, tokens, steps, out, embed):
-    """Per head: (logits over ``out``'s ids [rows, len(out)], the token to guess, -100 where
-    there is none in ``out``), the chain (``DraftHeads.steps``) fed the true tokens."""
-    device = out.device
-    state = hidden.to(device, torch.float32)
-    tokens = tokens.to(device)
-    for j, step in enumerate(steps):
-        fed = token_input(embed[tokens[j].clamp(min=0).to(embed.device)].to(device))
-        state = step(state, fed)
-        target = tokens[j + 1]
-        yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
-
-
-def chain_top1(hidden, tokens, heads: DraftHeads, out, embed, batch=4096) -> list[float]:
-    """Per head j: the share of rows (those with a token for it) where heads 1..j all guess
-    right."""
-    right = torch.zeros(len(heads))
-    total = torch.zeros(len(heads))
-    with torch.no_grad():
-        for first in range(0, hidden.shape[0], batch):
-            chain = _chain(
-                hidden[first : first + batch], tokens[:, first : first + batch],
-                heads.steps(), out, embed,
-            )  # fmt: skip
-            so_far = None
-            for j, (logits, target) in enumerate(chain):
-                hit = logits.argmax(-1) == target
-                so_far = hit if so_far is None else so_far & hit
-                has = tokens[j + 1, first : first + batch].to(out.device) >= 0
-                right[j] += float((so_far & has).sum())
-                total[j] += float(has.sum())
-    return (right / total.clamp(min=1)).tolist()
 
 
 def train_heads(

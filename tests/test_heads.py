@@ -13,7 +13,8 @@ from selfspec.drafters.adaptive import AdaptiveDrafter
 from selfspec.drafters.base import DraftRequest, DraftSettings, RoundOutcome
 from selfspec.drafters.heads import DraftHeads, HeadDrafter, fastest_products
 from selfspec.errors import SelfSpecError
-from selfspec.headtrain import frequent_ids, train_heads
+from selfspec.headfit import frequent_ids
+from selfspec.headtrain import train_heads
 from selfspec.sampling import Sampling
 
 
@@ -83,7 +84,7 @@ def test_the_soft_loss_reads_the_row_that_made_each_token_within_its_answer():
     """Head j's soft target at row i is the model's distribution from row i + 1 + j, only where
     that row is of the same answer; other rows get none (here: logits that equal the target give
     the target's entropy, and a row from another answer would change it)."""
-    from selfspec.headtrain import _initial_heads, _soft_loss
+    from selfspec.headfit import _initial_heads, _soft_loss
 
     out = torch.eye(4)  # logits = the hidden state itself
     hidden = torch.tensor([[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0], [0, 0, 0, 3.0]])

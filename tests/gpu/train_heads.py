@@ -40,13 +40,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from selfspec.drafters.heads import DraftHeads  # noqa: E402
+from selfspec.headfit import chain_top1, fit_rows  # noqa: E402
 from selfspec.headtrain import (  # noqa: E402
     QUESTION_PROMPT,
     TOPICS,
     add_questions,
     chain_tokens,
-    chain_top1,
-    fit_rows,
     task_texts,
 )
 
