@@ -9,6 +9,8 @@ the context holds.
                token somewhere in the context; first-guess accuracy on items 1-2 and 3-4.
   followers:   the token that followed the pending token in the context (latest, most often)
                against the heads' first guess.
+  choices:     where a matched n-gram went on in several ways, the latest occurrence's next
+               token against the candidate the first head scores highest.
   datastore:   REST-style lookup of the longest suffix (2-6 tokens) in the model's own answers
                (the GPU runs' answer sets, decompressed .safetensors): its 4-token continuation
                against the heads' 4 guesses, alone and after the heads' first 1-2 guesses.
@@ -85,6 +87,40 @@ def followers(records) -> None:
     print(f"followers: {w} of {c['positions']} positions have one")
     for kind in ("heads", "latest", "most"):
         print(f"  right: {kind} {c[kind] / w:.3f}")
+
+
+def choices(records) -> None:
+    """At context matches (the drafter's own rule), where the matched n-gram went on in more than
+    one way: the latest occurrence's next token against the one the first head scores highest."""
+    c = collections.Counter()
+    for r in records:
+        prompt, answer = r["prompt"], r["answer"]
+        context, index = list(prompt), ContextIndex()
+        for i in range(len(answer) - 1):
+            context.append(answer[i])
+            index.sync(context)
+            match = index.lookup(1)
+            if match is None:
+                continue
+            n, suffix, following = match.ngram, context[-match.ngram :], collections.Counter()
+            latest = None
+            for end in range(n - 1, len(context) - 1):
+                if context[end - n + 1 : end + 1] == suffix:
+                    following[context[end + 1]] += 1
+                    latest = context[end + 1]
+            values, ids = r["chain"][0]
+            score = {t: float(v) for t, v in zip(ids[i].tolist(), values[i].float())}
+            picked = max(following, key=lambda t: score.get(t, -1e9))
+            picked = picked if picked in score else latest
+            truth = answer[i + 1]
+            c["matches"] += 1
+            c["latest right"] += latest == truth
+            c["picked right"] += picked == truth
+            if len(following) > 1:
+                c["several ways"] += 1
+                c["several: latest right"] += latest == truth
+                c["several: picked right"] += picked == truth
+    print(f"choices: {dict(c)}")
 
 
 class Datastore:
@@ -183,6 +219,7 @@ def main() -> None:
     records = torch.load(args.records, weights_only=False)
     bias(records)
     followers(records)
+    choices(records)
     if args.answers:
         datastore(records, args.answers)
 
