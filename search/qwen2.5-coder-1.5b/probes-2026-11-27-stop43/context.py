@@ -30,18 +30,22 @@ from selfspec.drafters.ngram import ContextIndex
 HEADS = "selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors"
 
 
+def walk(records):
+    """(record, i, context up to answer token i, the drafter's context match there or None)."""
+    for r in records:
+        context, index = list(r["prompt"]), ContextIndex()
+        for i in range(len(r["answer"]) - 1):
+            context.append(r["answer"][i])
+            index.sync(context)
+            yield r, i, context, index.lookup(1)
+
+
 def head_positions(records):
     """(record, i, context so far, drafted ids per head j): where the heads would draft."""
     heads = DraftHeads.load(HEADS)
     frequent = set(heads.frequent[heads.frequent < 151936][:FREQUENT_IDS].tolist())
-    for r in records:
-        prompt, answer = r["prompt"], r["answer"]
-        context, index = list(prompt), ContextIndex()
-        for i in range(len(answer) - 1):
-            context.append(answer[i])
-            index.sync(context)
-            if index.lookup(1) is not None:
-                continue
+    for r, i, context, match in walk(records):
+        if match is None:
             seen = set(context)
             allowed = [
                 [k for k, t in enumerate(ids.tolist()) if t in frequent or t in seen]
@@ -93,33 +97,27 @@ def choices(records) -> None:
     """At context matches (the drafter's own rule), where the matched n-gram went on in more than
     one way: the latest occurrence's next token against the one the first head scores highest."""
     c = collections.Counter()
-    for r in records:
-        prompt, answer = r["prompt"], r["answer"]
-        context, index = list(prompt), ContextIndex()
-        for i in range(len(answer) - 1):
-            context.append(answer[i])
-            index.sync(context)
-            match = index.lookup(1)
-            if match is None:
-                continue
-            n, suffix, following = match.ngram, context[-match.ngram :], collections.Counter()
-            latest = None
-            for end in range(n - 1, len(context) - 1):
-                if context[end - n + 1 : end + 1] == suffix:
-                    following[context[end + 1]] += 1
-                    latest = context[end + 1]
-            values, ids = r["chain"][0]
-            score = {t: float(v) for t, v in zip(ids[i].tolist(), values[i].float())}
-            picked = max(following, key=lambda t: score.get(t, -1e9))
-            picked = picked if picked in score else latest
-            truth = answer[i + 1]
-            c["matches"] += 1
-            c["latest right"] += latest == truth
-            c["picked right"] += picked == truth
-            if len(following) > 1:
-                c["several ways"] += 1
-                c["several: latest right"] += latest == truth
-                c["several: picked right"] += picked == truth
+    for r, i, context, match in walk(records):
+        if match is None:
+            continue
+        n, suffix, following = match.ngram, context[-match.ngram :], collections.Counter()
+        latest = None
+        for end in range(n - 1, len(context) - 1):
+            if context[end - n + 1 : end + 1] == suffix:
+                following[context[end + 1]] += 1
+                latest = context[end + 1]
+        values, ids = r["chain"][0]
+        score = {t: float(v) for t, v in zip(ids[i].tolist(), values[i].float())}
+        picked = max(following, key=lambda t: score.get(t, -1e9))
+        picked = picked if picked in score else latest
+        truth = r["answer"][i + 1]
+        c["matches"] += 1
+        c["latest right"] += latest == truth
+        c["picked right"] += picked == truth
+        if len(following) > 1:
+            c["several ways"] += 1
+            c["several: latest right"] += latest == truth
+            c["several: picked right"] += picked == truth
     print(f"choices: {dict(c)}")
 
 
