@@ -9,12 +9,12 @@ after the same prefix.
 from __future__ import annotations
 
 import statistics
-import time
 from functools import partial
 
 import torch
 
 from selfspec.engine import Engine
+from selfspec.profile import _interleaved_ms
 
 
 def main() -> None:
@@ -25,14 +25,7 @@ def main() -> None:
         runner.reset(prefix + 9)
         runner.forward(ids[:prefix], 0, last_logits_only=True)
         passes = {n: partial(runner.forward, ids[prefix : prefix + n], prefix) for n in range(1, 7)}
-        for run in passes.values():
-            run()  # warm-up
-        times = {n: [] for n in passes}
-        for _ in range(15):
-            for n, run in passes.items():
-                began = time.perf_counter()
-                run()
-                times[n].append((time.perf_counter() - began) * 1000)
+        times = _interleaved_ms(passes, 15)  # selfspec profile's timing: turns, after a warm-up
         one = statistics.median(times[1])
         cells = [
             f"{n}: {statistics.median(t):.1f} ({statistics.median(t) / one:.2f})"
