@@ -378,6 +378,7 @@ def test_llama_cpp_method_plumbing(smollm2, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
     monkeypatch.setattr(bench.run, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(bench.run, "llama_cpp_failure", lambda name, threads: None)
     monkeypatch.setattr(bench.methods, "gguf_path_for", lambda name: tmp_path / f"{name}.gguf")
     result = bench.run_bench(
         smollm2,
@@ -485,3 +486,33 @@ def test_profile_times_a_draft_of_every_head_guess(smollm2):
     pass_ms = result["forward_ms"]["4"]
     assert result["ahead_sequential_ms"] > 0.5 * (result["head_draft_ms"] + pass_ms)
     assert result["ahead_beside_ms"] > 0.5 * max(result["head_draft_ms"], pass_ms)
+
+
+def test_a_method_whose_library_crashes_is_reported_not_run(monkeypatch):
+    """llama.cpp is tried in a child first: a child that dies of a signal (as some AMX builds of
+    llama-cpp-python do on some VMs) is named, and the bench skips the method with that reason, or
+    refuses in one line when the method was asked for, instead of dying with it."""
+    import sys
+
+    from selfspec.errors import SelfSpecError
+
+    name = "qwen2.5-coder-0.5b"
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
+    assert bench.methods.child_failure(crash) == "it died of SIGILL"
+    assert bench.methods.child_failure([sys.executable, "-c", "pass"]) is None
+    failing = [sys.executable, "-c", "raise SystemExit('no model here')"]
+    assert bench.methods.child_failure(failing) == "no model here"
+
+    monkeypatch.setattr(bench.run, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(
+        bench.run, "llama_cpp_failure", lambda name, threads: bench.methods.child_failure(crash)
+    )
+    chosen, notes = bench.run.resolve_methods(
+        ["autoregressive", "llama_cpp"], plan=None, draft=None, model_name=name
+    )
+    assert chosen == ["hf_generate", "autoregressive"]
+    assert any("llama_cpp skipped" in n and "SIGILL" in n and "GGML_NATIVE=OFF" in n for n in notes)
+    with pytest.raises(SelfSpecError, match="cannot run llama_cpp: .*SIGILL"):
+        bench.run.resolve_methods(
+            ["llama_cpp"], plan=None, draft=None, model_name=name, explicit=True
+        )

@@ -8,6 +8,9 @@ when it is installed.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -237,6 +240,43 @@ def llama_cpp_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+# How to build llama-cpp-python for AVX-512 without the AMX tiles a native build picks up.
+LLAMA_CPP_WITHOUT_AMX = (
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON' pip install "
+    "--force-reinstall --no-cache-dir --no-binary llama-cpp-python llama-cpp-python"
+)
+
+# What llama_cpp_failure runs in a child: the bench's own first steps, on a short prompt.
+_LLAMA_CPP_PROBE = """import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=256, verbose=False)
+llm.eval(llm.tokenize(b"def fibonacci(n):\\n    return n" * 6))
+"""
+
+
+def llama_cpp_failure(model_name: str, threads: int) -> str | None:
+    """Why llama.cpp cannot read a prompt of the model's .gguf on this machine, or None.
+
+    Tried in a child process first: some builds of llama-cpp-python die of an illegal instruction
+    there (built with AMX tiles, on VMs where their tile code faults), and such a death inside the
+    bench would take every other method's results with it."""
+    path = gguf_path_for(model_name)
+    return child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(path), str(threads)])
+
+
+def child_failure(argv: list[str], timeout: float = 300.0) -> str | None:
+    """Run ``argv``; None if it exits with status 0, else what went wrong, in a few words."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"it did not finish in {timeout:.0f} s"
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        return f"it died of {signal.Signals(-proc.returncode).name}"
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"it exited with status {proc.returncode}"
 
 
 METHODS: dict[str, Method] = {

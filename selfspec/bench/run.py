@@ -17,12 +17,14 @@ from selfspec.bench.host import MEMORY_METHOD, PeakRss, describe_machine, proces
 from selfspec.bench.methods import (
     ALL_METHODS,
     BASELINE,
+    LLAMA_CPP_WITHOUT_AMX,
     METHODS,
     PROMPT_LOOKUP_TOKENS,
     BenchContext,
     Method,
     MethodRun,
     llama_cpp_available,
+    llama_cpp_failure,
 )
 from selfspec.bench.summary import summarize
 from selfspec.errors import SelfSpecError
@@ -81,6 +83,15 @@ def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
             return "llama-cpp-python is not installed (pip install 'selfspec[llama-cpp]')"
         if model_name not in KNOWN_MODELS:
             return f"{model_name} is not a bundled GGUF model"
+        import torch
+
+        failure = llama_cpp_failure(model_name, torch.get_num_threads())
+        if failure:
+            return (
+                f"llama.cpp could not read a prompt on this machine in a test process ({failure}); "
+                f"builds of llama-cpp-python that use AMX tiles do that on some VMs: reinstall it "
+                f"built without them ({LLAMA_CPP_WITHOUT_AMX})"
+            )
     return None
 
 
