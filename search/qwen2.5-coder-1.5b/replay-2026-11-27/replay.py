@@ -75,6 +75,8 @@ def _chains(runner, adapter, heads, category, prompt, answer) -> dict:
     # an extra id may be scored at position i only once the context (prompt + answer[:i + 1]) has it
     extra_seen = torch.tensor([first_seen[t] for t in extra], dtype=torch.long)
     guesses = {v: [] for v in VOCABS}  # vocab -> per head j: (ids [n], confidence [n])
+    # committed vocab, per head j: the second-best probability [n] and the entropy [n] (nats)
+    extras = []
     for j in range(len(heads.heads)):
         feed = torch.cat([heads._token_input(answer[min(i + j, n - 1)]) for i in range(n)])
         state = head_step(state, feed, heads.products[j], heads.down_products[j])
@@ -84,9 +86,13 @@ def _chains(runner, adapter, heads, category, prompt, answer) -> dict:
         for vocab in VOCABS:
             cut = logits.clone()
             cut[:, vocab : len(base)] = float("-inf")
-            confidence, best = torch.softmax(cut, -1).max(-1)
-            guesses[vocab].append((ids[best], confidence))
-    return dict(category=category, prompt=prompt, answer=answer, guesses=guesses)
+            probs = torch.softmax(cut, -1)
+            top = probs.topk(2, -1)
+            guesses[vocab].append((ids[top.indices[:, 0]], top.values[:, 0]))
+            if vocab == Policy.vocab:
+                entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+                extras.append((top.values[:, 1], entropy))
+    return dict(category=category, prompt=prompt, answer=answer, guesses=guesses, extras=extras)
 
 
 @dataclass(frozen=True)
