@@ -503,10 +503,10 @@ def test_a_method_whose_library_crashes_is_reported_not_run(monkeypatch):
     failing = [sys.executable, "-c", "raise SystemExit('no model here')"]
     assert bench.methods.child_failure(failing) == "no model here"
 
+    # the real probe, its child made to die as those builds do
     monkeypatch.setattr(bench.run, "llama_cpp_available", lambda: True)
-    monkeypatch.setattr(
-        bench.run, "llama_cpp_failure", lambda name, threads: bench.methods.child_failure(crash)
-    )
+    monkeypatch.setattr(bench.methods, "gguf_path_for", lambda name: f"{name}.gguf")
+    monkeypatch.setattr(bench.methods, "_LLAMA_CPP_PROBE", crash[2])
     chosen, notes = bench.run.resolve_methods(
         ["autoregressive", "llama_cpp"], plan=None, draft=None, model_name=name
     )

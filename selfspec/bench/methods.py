@@ -262,7 +262,16 @@ def llama_cpp_failure(model_name: str, threads: int) -> str | None:
     there (built with AMX tiles, on VMs where their tile code faults), and such a death inside the
     bench would take every other method's results with it."""
     path = gguf_path_for(model_name)
-    return child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(path), str(threads)])
+    failure = child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(path), str(threads)])
+    if failure and failure.startswith(DIED_OF):  # the advice fits a crash, not a missing file
+        failure += (
+            "; builds of llama-cpp-python that use AMX tiles do that on some VMs: reinstall it "
+            f"built without them ({LLAMA_CPP_WITHOUT_AMX})"
+        )
+    return failure
+
+
+DIED_OF = "it died of "  # how child_failure names a death by a signal
 
 
 def child_failure(argv: list[str], timeout: float = 300.0) -> str | None:
@@ -274,7 +283,7 @@ def child_failure(argv: list[str], timeout: float = 300.0) -> str | None:
     if proc.returncode == 0:
         return None
     if proc.returncode < 0:
-        return f"it died of {signal.Signals(-proc.returncode).name}"
+        return DIED_OF + signal.Signals(-proc.returncode).name
     lines = proc.stderr.strip().splitlines()
     return lines[-1] if lines else f"it exited with status {proc.returncode}"
 

@@ -17,7 +17,6 @@ from selfspec.bench.host import MEMORY_METHOD, PeakRss, describe_machine, proces
 from selfspec.bench.methods import (
     ALL_METHODS,
     BASELINE,
-    LLAMA_CPP_WITHOUT_AMX,
     METHODS,
     PROMPT_LOOKUP_TOKENS,
     BenchContext,
@@ -87,11 +86,7 @@ def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
 
         failure = llama_cpp_failure(model_name, torch.get_num_threads())
         if failure:
-            return (
-                f"llama.cpp could not read a prompt on this machine in a test process ({failure}); "
-                f"builds of llama-cpp-python that use AMX tiles do that on some VMs: reinstall it "
-                f"built without them ({LLAMA_CPP_WITHOUT_AMX})"
-            )
+            return f"llama.cpp could not read a prompt on this machine in a test process: {failure}"
     return None
 
 
