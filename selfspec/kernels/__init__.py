@@ -1,5 +1,5 @@
-"""selfspec's CPU kernel (``module.cpp`` and its headers): how it is built, and the primitives
-around it.
+"""selfspec's CPU kernel (``module.cpp``, the sources beside it and their headers): how it is
+built, and the primitives around it.
 
 The C++ extension is compiled for this machine on first use (``-march=native``: a build is only
 valid on CPUs with the same instruction set) and cached under the user's cache, keyed by the
@@ -28,6 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+# At import, on the thread that starts a first run's build: when the build thread and the model's
+# download imported filelock at the same moment, one of them could fail with "No module named
+# 'filelock._core._registry'" (the package was half-initialised in the other thread).
+from filelock import FileLock
+
 from selfspec.errors import SelfSpecError
 from selfspec.machine import cpu_flags, has_flag, is_x86_64
 from selfspec.paths import kernel_build_root
@@ -36,7 +41,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCE = SOURCE_DIR / "module.cpp"  # includes the headers beside it
+# module.cpp holds the Python bindings; linear.cpp, q8.cpp and layers.cpp the kernels, so that a
+# first build compiles them side by side (ninja runs a job per core)
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
 PANEL = 16  # output columns per panel
 # Rows per kernel call: every decode step, draft step and verify pass (max_draft_tokens <= 64, plus
 # the pending token) in one call; longer passes (prefill) in chunks of this many rows, whose
@@ -58,7 +65,7 @@ _kernel_lock = threading.Lock()
 def _build_dir() -> Path:
     key = hashlib.sha256(cpu_flags().encode() + torch.__version__.encode())
     key.update(" ".join(_CFLAGS).encode())
-    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # module.cpp and its headers
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # the sources and their headers
         key.update(path.name.encode() + path.read_bytes())
     folder = kernel_build_root() / key.hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
@@ -102,12 +109,10 @@ def _compile():
     _put_ninja_on_path()
     if not any(folder.glob("*.so")):
         print(
-            "selfspec: compiling the packed CPU kernel for this machine (once, about a minute)...",
+            "selfspec: compiling the packed CPU kernel for this machine (once, under a minute)...",
             file=sys.stderr,
             flush=True,
         )
-    from filelock import FileLock
-
     folder.mkdir(parents=True, exist_ok=True)
     # torch marks a build in progress with a plain file that a killed build leaves behind, and
     # every later build would wait on it for ever. An OS lock dies with its process: whoever holds
@@ -116,7 +121,7 @@ def _compile():
         (folder / "lock").unlink(missing_ok=True)
         module = load(
             name="selfspec_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             build_directory=str(folder),
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],

@@ -16,8 +16,7 @@
 // weights, same order, same results, bit for bit, from a fifth to a third of the bytes.
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <array>
@@ -387,17 +386,17 @@ GroupFn group_for_rows(int64_t M) {
   return &run_group_erased<W, Tiles, 1>;
 }
 
-const float* bias_pointer(const c10::optional<torch::Tensor>& bias, int64_t N) {
+inline const float* bias_pointer(const c10::optional<at::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+  TORCH_CHECK(bias->dtype() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
               "bias must be ", N, " contiguous float32 values");
   return bias->data_ptr<float>();
 }
 
-torch::Tensor run_all_groups(const torch::Tensor& x, const void* wp, int64_t P, GroupFn run,
-                             const c10::optional<torch::Tensor>& bias) {
+inline at::Tensor run_all_groups(const at::Tensor& x, const void* wp, int64_t P, GroupFn run,
+                             const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), N = P * kPanel;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* bp = bias_pointer(bias, N);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -420,19 +419,9 @@ auto with_format(int64_t format, int64_t group, F&& f) {
   return f(integral_constant<int, kBytes>{}, integral_constant<int, 32>{});
 }
 
-int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
-  const int64_t multiple = format == kSuperNibbles || format == kSixBits ? 256 : group;
-  TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
-  if (format == kSixBits) {
-    TORCH_CHECK(group == 16, "six-bit panels hold groups of 16");
-    return SixBitLayout::panel_bytes(K);
-  }
-  return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
-}
-
-void check_quantized_operands(const torch::Tensor& x, const torch::Tensor& wq, int64_t format, int64_t group) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be 2-d float32");
-  TORCH_CHECK(wq.dtype() == torch::kUInt8 && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+inline void check_quantized_operands(const at::Tensor& x, const at::Tensor& wq, int64_t format, int64_t group) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be 2-d float32");
+  TORCH_CHECK(wq.dtype() == at::kByte && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
   TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, x.size(1)),
               "x has ", x.size(1), " features, which does not match the quantized weight");
   TORCH_CHECK(wq.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);

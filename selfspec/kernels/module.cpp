@@ -2,9 +2,13 @@
 //   linear.h     float32 and quantized panels, few rows at a time, rows independent of each other
 //   q8.h         the GGUF file's integers times activations rounded to 8 bits (speed mode gguf-q8)
 //   attention.h  attention, each query row's bits its own (rows read the keys together)
-//   ops.h        the entry points torch calls
+//   ops.h        the entry points torch calls, each compiled in one of linear.cpp, q8.cpp, layers.cpp
 //   layers.h     a whole pre-norm decoder sublayer (norm, projections, rotary, attention, MLP) per call
 //                and the whole layer stack of a pass in one call (LayerStack)
+// This file holds only the Python bindings: the one source that parses pybind11 and torch's
+// Python glue, while the kernels' sources compile beside it.
+#include <torch/csrc/utils/pybind.h>
+
 #include "layers.h"
 
 namespace py = pybind11;
@@ -21,16 +25,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
   m.def("q8_six_bits", &q8_six_bits, "whether gguf-q8 holds Q6_K as six-bit panels in this build (VNNI or AVX2 tiles)");
   m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has a vector path (AVX-512 VNNI or AVX2) in this build");
-  m.def("rms_norm", [](torch::Tensor h, torch::Tensor w, double eps) { return rms_norm(h.contiguous(), w, eps); },
+  m.def("rms_norm", [](at::Tensor h, at::Tensor w, double eps) { return rms_norm(h.contiguous(), w, eps); },
         "x / sqrt(mean(x^2) + eps) * w, row by row");
   py::class_<LinearRef>(m, "LinearRef")
-      .def(py::init<int64_t, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>, int64_t, int64_t,
+      .def(py::init<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>, int64_t, int64_t,
                     int64_t>(),
            py::arg("kind"), py::arg("weight"), py::arg("format"), py::arg("group"), py::arg("bias"),
            py::arg("in_features"), py::arg("out_features"), py::arg("max_rows"))
-      .def("__call__", [](const LinearRef& l, torch::Tensor x) { return l.forward(x.contiguous()); });
+      .def("__call__", [](const LinearRef& l, at::Tensor x) { return l.forward(x.contiguous()); });
   py::class_<DecoderLayer>(m, "DecoderLayer")
-      .def(py::init<torch::Tensor, torch::Tensor, double, LinearRef, LinearRef, LinearRef, LinearRef, LinearRef,
+      .def(py::init<at::Tensor, at::Tensor, double, LinearRef, LinearRef, LinearRef, LinearRef, LinearRef,
                     LinearRef, LinearRef, int64_t, int64_t, int64_t, double>(),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("eps"), py::arg("q"), py::arg("k"),
            py::arg("v"), py::arg("o"), py::arg("gate"), py::arg("up"), py::arg("down"), py::arg("heads"),

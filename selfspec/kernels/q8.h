@@ -57,7 +57,7 @@ struct TileMajor {
 };
 
 struct QuantizedRows {
-  torch::Tensor storage;  // owns every array below: one allocation a call, not nine tensors
+  at::Tensor storage;  // owns every array below: one allocation a call, not nine tensors
   int64_t M, K;
   int8_t* q;        // [M, K]
   float* d;         // [M, K / 32]
@@ -79,7 +79,7 @@ inline QuantizedRows allocate_rows(int64_t M, int64_t K) {
     offsets[i] = total;
     total += (words[i] * 4 + 63) / 64 * 64;
   }
-  QuantizedRows out{torch::empty({total + 64}, torch::kUInt8), M, K};
+  QuantizedRows out{at::empty({total + 64}, at::kByte), M, K};
   uint8_t* base = out.storage.data_ptr<uint8_t>();
   base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
   out.q = reinterpret_cast<int8_t*>(base + offsets[0]);
@@ -93,7 +93,7 @@ inline QuantizedRows allocate_rows(int64_t M, int64_t K) {
   return out;
 }
 
-inline QuantizedRows quantize_rows(const torch::Tensor& x) {
+inline QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kActBlock == 0, "in_features ", K, " is not a multiple of ", kActBlock);
   QuantizedRows out = allocate_rows(M, K);

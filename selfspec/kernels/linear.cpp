@@ -1,0 +1,93 @@
+// linear.h's entry points: float32 and quantized panels (modes packed and gguf), argmax.
+#include "linear.h"
+
+namespace selfspec {
+
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == at::kFloat, "logits must be [M, V] float32");
+  logits = logits.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "no logits");
+  auto out = at::empty({M}, at::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = logits.data_ptr<float>() + m * V;
+    vec best = vset1(-INFINITY), finite = vzero();  // finite stays 0 unless a lane is NaN or +-inf
+    int64_t i = 0;
+    for (; i + kVec <= V; i += kVec) {
+      const vec v = vload(x + i);
+      best = vmax(best, v);
+      finite = vadd(finite, vmul(v, vzero()));
+    }
+    alignas(64) float lanes[kVec], zeros[kVec];
+    vstore(lanes, best);
+    vstore(zeros, finite);
+    float top = -INFINITY, check = 0.0f;
+    for (int j = 0; j < kVec; ++j) top = std::max(top, lanes[j]), check += zeros[j];
+    for (int64_t t = i; t < V; ++t) top = std::max(top, x[t]), check += x[t] * 0.0f;
+    if (check != 0.0f) {  // NaN != 0
+      op[m] = logits[m].argmax().item<int64_t>();
+      continue;
+    }
+    const vec target = vset1(top);
+    int64_t at = -1;
+    for (i = 0; i + kVec <= V && at < 0; i += kVec) {
+      const unsigned hits = vequal_lanes(vload(x + i), target);
+      if (hits) at = i + __builtin_ctz(hits);
+    }
+    for (int64_t t = i; t < V && at < 0; ++t)
+      if (x[t] == top) at = t;
+    op[m] = at;
+  }
+  return out;
+}
+
+at::Tensor packed_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == at::kFloat && wp.dtype() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");
+  TORCH_CHECK(x.size(1) == wp.size(1), "x has ", x.size(1), " features, weight expects ", wp.size(1));
+  TORCH_CHECK(wp.size(0) % kGroup == 0, "panel count must be a multiple of ", kGroup);
+  x = x.contiguous();
+  return run_all_groups(x, wp.data_ptr<float>(), wp.size(0),
+                        group_for_rows<float, FloatTiles, 4>(x.size(0)), bias);
+}
+
+at::Tensor quant_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
+                        c10::optional<at::Tensor> bias) {
+  check_quantized_operands(x, wq, format, group);
+  x = x.contiguous();
+  const GroupFn run = with_format(format, group, [&](auto f, auto g) {
+    using Tiles = QuantTiles<decltype(f)::value, decltype(g)::value>;
+    return group_for_rows<uint8_t, Tiles::template With, kQuantMaxPanels>(x.size(0));
+  });
+  return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0), run, bias);
+}
+
+at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64_t K) {
+  TORCH_CHECK(wq.dtype() == at::kByte && wq.dim() == 2 && wq.is_contiguous(), "bad quantized weight");
+  const int64_t panel_bytes = quant_panel_bytes(format, group, K);
+  TORCH_CHECK(wq.size(1) == panel_bytes, "quantized weight does not hold ", K, " features");
+  const int64_t P = wq.size(0);
+  auto out = at::empty({P, K, kPanel}, at::dtype(at::kFloat));
+  const uint8_t* src = wq.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  auto fn = with_format(format, group, [](auto f, auto g) { return &dequantize_panel<decltype(f)::value, decltype(g)::value>; });
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
+  });
+  return out;
+}
+
+int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
+  const int64_t multiple = format == kSuperNibbles || format == kSixBits ? 256 : group;
+  TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
+  if (format == kSixBits) {
+    TORCH_CHECK(group == 16, "six-bit panels hold groups of 16");
+    return SixBitLayout::panel_bytes(K);
+  }
+  return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
+}
+
+int64_t panels_per_group() { return kGroup; }
+
+}  // namespace selfspec
