@@ -266,9 +266,10 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def wants_six_bits(cls, kernel) -> bool:
-        """Whether this mode holds Q6_K as six-bit panels (gguf-q8, where the build has their
-        tiles)."""
-        return cls.vnni and kernel.q8_six_bits()
+        """Whether this mode holds Q6_K as six-bit panels: where the build has their tiles (in
+        mode gguf the float tiles rebuild the byte layout's weights from them, bit for bit, and
+        read two thirds of its bytes)."""
+        return kernel.q8_six_bits() if cls.vnni else kernel.quant_six_bits()
 
     @classmethod
     def lay_out(cls, decoded: Decoded, kernel) -> tuple[torch.Tensor, int, int]:

@@ -45,12 +45,16 @@ PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
 SIX_BIT_LAYOUT_VERSION = 4  # gguf-q8 with Q6_K as six-bit panels only (v3 held the bytes too)
+EXACT_SIX_BIT_LAYOUT_VERSION = 5  # gguf with Q6_K as six-bit panels (v1: as bytes)
 
 
 def layout_version(mode: str) -> int:
     """The panel layout version speed mode ``mode`` uses with this machine's kernel build."""
-    six = mode == "gguf-q8" and Q8Linear.wants_six_bits(load_kernel())
-    return SIX_BIT_LAYOUT_VERSION if six else LAYOUT_VERSION
+    if mode == "gguf-q8" and Q8Linear.wants_six_bits(load_kernel()):
+        return SIX_BIT_LAYOUT_VERSION
+    if mode == "gguf" and QuantLinear.wants_six_bits(load_kernel()):
+        return EXACT_SIX_BIT_LAYOUT_VERSION
+    return LAYOUT_VERSION
 
 
 _ALIGN = 4096  # each layer's panels start on a page: the kernel's loads stay aligned

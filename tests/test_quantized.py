@@ -141,8 +141,37 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
             assert torch.equal(got, expected), (m, reference)
         assert torch.equal(module(x[:m]), expected)
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
-    with pytest.raises(RuntimeError, match="q8 path only"):
-        kernel.quant_linear(x[:1], six, quantized.SIX_BITS, 16, bias)
+
+
+@needs_kernel
+def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode():
+    """Q6_K in mode gguf as six-bit panels (where the build has their float tiles): the same
+    weights rebuilt (ggml's dequantization, every one), so every product's bits are the byte
+    layout's and the packed float32 weights', at every tile shape; QuantLinear holds them."""
+    kernel = load_kernel()
+    rows, columns = 192, 1536
+    raw = random_blocks("Q6_K", rows, columns, seed=12)
+    decoded = quantized.decode(raw, "Q6_K", rows)
+    reference = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(rows, columns).copy()
+    packed = pack_weight(torch.from_numpy(reference))
+    six = quantized.pack_six_bits(decoded)
+    module = quantized.QuantLinear.from_decoded(decoded, "Q6_K", None, kernel)
+    assert (module.format == quantized.SIX_BITS) == kernel.quant_six_bits()
+    if not kernel.quant_six_bits():
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            kernel.quant_linear(torch.randn(1, columns), six, quantized.SIX_BITS, 16, None)
+        return
+    assert torch.equal(kernel.dequantize_panels(six, quantized.SIX_BITS, 16, columns), packed)
+    bias = torch.randn(rows)
+    x = torch.randn(KERNEL_MAX_ROWS, columns)
+    x[2, :32] = 0
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, KERNEL_MAX_ROWS):  # every tile shape
+        got = kernel.quant_linear(x[:m], six, quantized.SIX_BITS, 16, bias)
+        assert torch.equal(got, kernel.packed_linear(x[:m], packed, bias)), m
+        assert torch.equal(module(x[:m]) + bias, got)
+        assert torch.equal(
+            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], six, quantized.SIX_BITS, 16, bias)
+        )
 
 
 def test_q8_mode_needs_vnni(monkeypatch):

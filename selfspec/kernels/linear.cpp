@@ -56,6 +56,14 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t gro
                         c10::optional<at::Tensor> bias) {
   check_quantized_operands(x, wq, format, group);
   x = x.contiguous();
+  if (format == kSixBits) {
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    return run_all_groups(x, wq.data_ptr<uint8_t>(), wq.size(0),
+                          group_for_rows<uint8_t, SixBitTiles::With, kQuantMaxPanels>(x.size(0)), bias);
+#else
+    TORCH_CHECK(false, "six-bit panels need an AVX-512 build in speed mode gguf");
+#endif
+  }
   const GroupFn run = with_format(format, group, [&](auto f, auto g) {
     using Tiles = QuantTiles<decltype(f)::value, decltype(g)::value>;
     return group_for_rows<uint8_t, Tiles::template With, kQuantMaxPanels>(x.size(0));
@@ -71,7 +79,9 @@ at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64
   auto out = at::empty({P, K, kPanel}, at::dtype(at::kFloat));
   const uint8_t* src = wq.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  auto fn = with_format(format, group, [](auto f, auto g) { return &dequantize_panel<decltype(f)::value, decltype(g)::value>; });
+  void (*fn)(const uint8_t*, int64_t, float*) =
+      format == kSixBits ? &dequantize_six_panel
+                         : with_format(format, group, [](auto f, auto g) { return &dequantize_panel<decltype(f)::value, decltype(g)::value>; });
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) fn(src + p * panel_bytes, K, dst + p * K * kPanel);
   });
@@ -89,5 +99,7 @@ int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
 }
 
 int64_t panels_per_group() { return kGroup; }
+
+bool quant_six_bits() { return kHaveSixBitFloatTiles; }
 
 }  // namespace selfspec

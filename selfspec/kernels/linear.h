@@ -233,6 +233,22 @@ struct SixBitLayout {
   }
 };
 
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+// Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
+// low-nibble vector and bits 2t..2t+1 of the group's high-pair vector (16-bit shifts bring them
+// to bits 4..5; the mask drops what crossed from the neighbouring byte). The q8 tiles take its
+// bytes as they are; the float tiles (qtile_six) take q = u - 32 out of them one k at a time.
+template <int T>
+inline __m512i six_bit_u(__m512i low_nibbles, __m512i high_pairs) {
+  const __m512i lo = T % 2 == 0 ? low_nibbles : _mm512_srli_epi16(low_nibbles, 4);
+  __m512i hi = high_pairs;
+  if constexpr (T == 0) hi = _mm512_slli_epi16(high_pairs, 4);
+  if constexpr (T == 1) hi = _mm512_slli_epi16(high_pairs, 2);
+  if constexpr (T == 3) hi = _mm512_srli_epi16(high_pairs, 2);
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(15)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+}
+#endif
+
 // One weight vector rebuilt from its integers: lanes [v * kVec, (v + 1) * kVec) of a panel.
 inline void nibble_weights(const uint8_t* q, vec scale, vec offset, vec& w_even, vec& w_odd) {
   vec lo, hi;
@@ -311,6 +327,82 @@ void qtile(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0,
   store_tile<ROWS, V>(acc, p0, y, N, bias, first, last);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr bool kHaveSixBitFloatTiles = true;
+
+// Byte I of each 32-bit lane of s, sign-extended: k = 4t + I of a six-bit step, 16 lanes.
+template <int I>
+__attribute__((always_inline)) inline vec step_byte(__m512i s) {
+  if constexpr (I == 3) return _mm512_cvtepi32_ps(_mm512_srai_epi32(s, 24));
+  else return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(s, 24 - 8 * I), 24));
+}
+
+// Step T of a six-bit group (k = 4T..4T+3) for rows [0, ROWS) and PANELS panels: w = scale * q,
+// the byte layout's product (kBytes: scale * q with q = u - 32), then one multiply-add per row and
+// k in k order, as every tile does.
+template <int T, int I, int ROWS, int PANELS>
+__attribute__((always_inline)) inline void six_bit_k(const float* xg, int64_t K, const __m512i (&q)[PANELS],
+                                                     const vec (&scale)[PANELS], vec (&acc)[ROWS][PANELS]) {
+  vec w[PANELS];
+#pragma GCC unroll 4
+  for (int g = 0; g < PANELS; ++g) w[g] = vmul(scale[g], step_byte<I>(q[g]));
+  const float* xk = xg + 4 * T + I;
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) {
+    const vec xb = vset1(xk[r * K]);
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) acc[r][g] = vfma(xb, w[g], acc[r][g]);
+  }
+}
+
+template <int T, int ROWS, int PANELS>
+__attribute__((always_inline)) inline void six_bit_float_step(const float* xg, int64_t K, const uint8_t* const (&q)[PANELS],
+                                                              const __m512i (&high)[PANELS], const vec (&scale)[PANELS],
+                                                              vec (&acc)[ROWS][PANELS]) {
+  __m512i signed_q[PANELS];
+#pragma GCC unroll 4
+  for (int g = 0; g < PANELS; ++g)
+    signed_q[g] = _mm512_sub_epi8(six_bit_u<T>(_mm512_loadu_si512(q[g] + T / 2 * 64), high[g]), _mm512_set1_epi8(32));
+  six_bit_k<T, 0>(xg, K, signed_q, scale, acc);
+  six_bit_k<T, 1>(xg, K, signed_q, scale, acc);
+  six_bit_k<T, 2>(xg, K, signed_q, scale, acc);
+  six_bit_k<T, 3>(xg, K, signed_q, scale, acc);
+}
+
+// As qtile, over six-bit panels (Q6_K in speed mode gguf: two thirds of the byte layout's bytes):
+// the same weights rebuilt, the same order, so the byte layout's bits.
+template <int ROWS, int PANELS>
+void qtile_six(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t k0, int64_t k1, float* y,
+               int64_t N, const float* bias, bool first, bool last) {
+  using L = SixBitLayout;
+  const int64_t panel_bytes = L::panel_bytes(K);
+  vec acc[ROWS][PANELS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < PANELS; ++g) acc[r][g] = vzero();
+  for (int64_t g0 = k0; g0 < k1; g0 += 16) {
+    const int64_t gi = g0 / 16;
+    const uint8_t* q[PANELS];
+    __m512i high[PANELS];
+    vec scale[PANELS];
+#pragma GCC unroll 4
+    for (int g = 0; g < PANELS; ++g) {
+      const uint8_t* panel = wq + (p0 + g) * panel_bytes;
+      const uint8_t* rec = L::group_prefetching(panel, gi);
+      scale[g] = vmul(f16_to_vec(L::super(panel, gi)), i8_to_vec(rec));  // d * sc, as scale_array
+      q[g] = rec + L::kGroupHeader;
+      high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
+    }
+    six_bit_float_step<0>(x + g0, K, q, high, scale, acc);
+    six_bit_float_step<1>(x + g0, K, q, high, scale, acc);
+    six_bit_float_step<2>(x + g0, K, q, high, scale, acc);
+    six_bit_float_step<3>(x + g0, K, q, high, scale, acc);
+  }
+  store_tile<ROWS, PANELS>(acc, p0, y, N, bias, first, last);
+}
+#else
+constexpr bool kHaveSixBitFloatTiles = false;
+#endif
+
 template <typename W>
 using TileFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, int64_t, float*, int64_t,
                         const float*, bool, bool);
@@ -332,6 +424,24 @@ template <int FORMAT, int G, int PANELS, int... R>
 constexpr std::array<TileFn<uint8_t>, sizeof...(R)> qtile_table(std::integer_sequence<int, R...>) {
   return {&qtile<FORMAT, G, R + 1, PANELS>...};
 }
+
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+template <int PANELS, int... R>
+constexpr std::array<TileFn<uint8_t>, sizeof...(R)> qtile_six_table(std::integer_sequence<int, R...>) {
+  return {&qtile_six<R + 1, PANELS>...};
+}
+
+struct SixBitTiles {
+  template <int PANELS>
+  struct With {
+    static constexpr int kRows = max_rows<kQuantAccumulators, PANELS>();
+    static TileFn<uint8_t> get(int rows) {
+      static constexpr auto table = qtile_six_table<PANELS>(std::make_integer_sequence<int, kRows>{});
+      return table[rows - 1];
+    }
+  };
+};
+#endif
 
 template <int PANELS>
 struct FloatTiles {
@@ -410,7 +520,7 @@ inline at::Tensor run_all_groups(const at::Tensor& x, const void* wp, int64_t P,
 template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
-  TORCH_CHECK(format != kSixBits, "six-bit panels are read by the q8 path only");
+  TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});
@@ -450,6 +560,17 @@ void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
   }
 }
 
-
+// Six-bit panels rebuilt as float32 [K, 16]: w = scale * (u - 32), as the tiles rebuild them.
+inline void dequantize_six_panel(const uint8_t* panel, int64_t K, float* out) {
+  using L = SixBitLayout;
+  for (int64_t gi = 0; gi < K / 16; ++gi) {
+    alignas(64) float scale[kPanel];
+    L::scale_array(panel, gi, scale);
+    const uint8_t* q = L::group(panel, gi) + L::kGroupHeader;
+    for (int kk = 0; kk < 16; ++kk)
+      for (int j = 0; j < kPanel; ++j)
+        out[(gi * 16 + kk) * kPanel + j] = scale[j] * static_cast<float>(L::u(q, j, kk) - 32);
+  }
+}
 
 }  // namespace selfspec

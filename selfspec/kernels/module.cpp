@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panels_per_group", &panels_per_group, "panel count granularity");
   m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
   m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
+  m.def("quant_six_bits", &quant_six_bits, "whether mode gguf holds Q6_K as six-bit panels in this build (AVX-512)");
   m.def("q8_six_bits", &q8_six_bits, "whether gguf-q8 holds Q6_K as six-bit panels in this build (VNNI or AVX2 tiles)");
   m.def("q8_vectorized", &q8_vectorized, "whether q8_linear has a vector path (AVX-512 VNNI or AVX2) in this build");
   m.def("rms_norm", [](at::Tensor h, at::Tensor w, double eps) { return rms_norm(h.contiguous(), w, eps); },

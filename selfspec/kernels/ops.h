@@ -26,6 +26,8 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t gro
 at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64_t K);
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K);
 int64_t panels_per_group();
+// Whether mode gguf holds Q6_K as six-bit panels in this build (its float tiles need AVX-512).
+bool quant_six_bits();
 
 // q8.cpp
 

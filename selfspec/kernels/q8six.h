@@ -36,19 +36,6 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-// Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
-// low-nibble vector and bits 2t..2t+1 of the group's high-pair vector (16-bit shifts bring them
-// to bits 4..5; the mask drops what crossed from the neighbouring byte), I = sum u * a - 32 * S.
-template <int T>
-inline __m512i six_bit_u(__m512i low_nibbles, __m512i high_pairs) {
-  const __m512i lo = T % 2 == 0 ? low_nibbles : _mm512_srli_epi16(low_nibbles, 4);
-  __m512i hi = high_pairs;
-  if constexpr (T == 0) hi = _mm512_slli_epi16(high_pairs, 4);
-  if constexpr (T == 1) hi = _mm512_slli_epi16(high_pairs, 2);
-  if constexpr (T == 3) hi = _mm512_srli_epi16(high_pairs, 2);
-  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(15)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
-}
-
 template <int ROWS, int T>
 inline void six_bit_step(const uint8_t* q, __m512i high, const int32_t* a, __m512i (&dot)[ROWS]) {
   const __m512i u = six_bit_u<T>(_mm512_loadu_si512(q + T / 2 * 64), high);
