@@ -14,8 +14,9 @@ products, and multiplies them by the activations rounded to 8 bits: llama.cpp's 
 the float32 model's (see ``selfspec.speed``).
 
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
-offset per 32), Q6_K (int8 per 16), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay
-float32 (they are not streamed per step).
+offset per 32), Q6_K (int8 per 16, or six bits where the build has the six-bit tiles: both
+modes on AVX-512), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay float32 (they
+are not streamed per step).
 """
 
 from __future__ import annotations
