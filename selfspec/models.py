@@ -141,6 +141,11 @@ def _compile_kernel_meanwhile() -> None:
     when the kernel is asked for."""
     import threading
 
+    # Imported here, before the thread: the build and the model's download both take file locks,
+    # and when the two threads imported filelock at the same moment one of them could fail with
+    # "No module named 'filelock._core._registry'" (the package half-initialised in the other).
+    import filelock  # noqa: F401
+
     from selfspec.kernels import kernel_available
 
     threading.Thread(target=kernel_available, name="selfspec-kernel-build", daemon=True).start()

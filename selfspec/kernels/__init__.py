@@ -28,11 +28,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# At import, on the thread that starts a first run's build: when the build thread and the model's
-# download imported filelock at the same moment, one of them could fail with "No module named
-# 'filelock._core._registry'" (the package was half-initialised in the other thread).
-from filelock import FileLock
-
 from selfspec.errors import SelfSpecError
 from selfspec.machine import cpu_flags, has_flag, is_x86_64
 from selfspec.paths import kernel_build_root
@@ -113,6 +108,8 @@ def _compile():
             file=sys.stderr,
             flush=True,
         )
+    from filelock import FileLock
+
     folder.mkdir(parents=True, exist_ok=True)
     # torch marks a build in progress with a plain file that a killed build leaves behind, and
     # every later build would wait on it for ever. An OS lock dies with its process: whoever holds

@@ -221,9 +221,12 @@ struct SixBitLayout {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
     return rec;
   }
-  static void scale_array(const uint8_t* panel, int64_t gi, float* scale) {
-    for (int v = 0; v < kVecPerPanel; ++v)
-      vstore(scale + v * kVec, vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec)));
+  // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale, d * sc (the float32 product).
+  static vec scale(const uint8_t* panel, int64_t gi, int v) {
+    return vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec));
+  }
+  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
+    for (int v = 0; v < kVecPerPanel; ++v) vstore(out + v * kVec, scale(panel, gi, v));
   }
   // u of lane j, k = kk of group record rec (past its header)
   static int32_t u(const uint8_t* q, int j, int kk) {
@@ -388,7 +391,7 @@ void qtile_six(const float* x, int64_t K, const uint8_t* wq, int64_t p0, int64_t
     for (int g = 0; g < PANELS; ++g) {
       const uint8_t* panel = wq + (p0 + g) * panel_bytes;
       const uint8_t* rec = L::group_prefetching(panel, gi);
-      scale[g] = vmul(f16_to_vec(L::super(panel, gi)), i8_to_vec(rec));  // d * sc, as scale_array
+      scale[g] = L::scale(panel, gi, 0);
       q[g] = rec + L::kGroupHeader;
       high[g] = _mm512_loadu_si512(q[g] + L::kLowBytes);
     }
