@@ -11,7 +11,6 @@ namespace selfspec {
 
 Q8Job LinearRef::job(const QuantizedRows& rows, at::Tensor& y) const { return q8_job(rows, weight, format, group, bias, y); }
 
-
 at::Tensor LinearRef::forward(const at::Tensor& x, const QuantizedRows* rows) const {
   const int64_t M = x.size(0);
   if (kind == kQ8Kind) {
@@ -24,7 +23,6 @@ at::Tensor LinearRef::forward(const at::Tensor& x, const QuantizedRows* rows) co
   for (int64_t m0 = 0; m0 < M; m0 += max_rows) chunks.push_back(kernel(x.slice(0, m0, std::min(M, m0 + max_rows))));
   return at::cat(chunks, 0);
 }
-
 
 at::Tensor LinearRef::kernel(const at::Tensor& x) const {
   return kind == kPackedKind ? packed_linear(x, weight, bias) : quant_linear(x, weight, format, group, bias);
@@ -76,7 +74,6 @@ static at::Tensor plus_residual(at::Tensor y, const at::Tensor& h) {
   });
   return y;
 }
-
 
 std::pair<at::Tensor, c10::optional<QuantizedRows>> DecoderLayer::normed(const at::Tensor& h, const at::Tensor& w,
                                                                          std::initializer_list<const LinearRef*> users) const {
