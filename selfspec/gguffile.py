@@ -3,6 +3,7 @@ metadata values (the 150k-token vocabulary among them)."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,83 +64,85 @@ def read_gguf(path: Path) -> GGUFFile:
     """A GGUF file's tensors, mapped, not read, and its architecture. (gguf's GGUFReader also
     parses every metadata value, the 150k-token vocabulary included, which takes seconds; this
     skips them.)"""
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        pos = 4  # past the magic bytes
-
-        def take(fmt: str):
-            nonlocal pos
-            values = struct.unpack_from("<" + fmt, mapped, pos)
-            pos += struct.calcsize("<" + fmt)
-            return values if len(values) > 1 else values[0]
-
-        def string() -> str:
-            nonlocal pos
-            length = take("Q")
-            pos += length
-            return bytes(mapped[pos - length : pos]).decode("utf-8", "replace")
-
-        def skip_value(kind: int) -> None:
-            nonlocal pos
-            if kind == _STRING:
-                length = take("Q")  # (not `pos += take(...)`: take moves pos itself)
-                pos += length
-            elif kind == _ARRAY:
-                item_kind, count = take("IQ")
-                if item_kind in _SCALAR_BYTES:
-                    pos += _SCALAR_BYTES[item_kind] * count
-                elif item_kind == _STRING:  # the vocabulary: a tight loop, not one call a string
-                    lengths = struct.Struct("<Q")
-                    for _ in range(count):
-                        pos += 8 + lengths.unpack_from(mapped, pos)[0]
-                else:
-                    for _ in range(count):
-                        skip_value(item_kind)
-            else:
-                pos += _SCALAR_BYTES[kind]
-
         if bytes(mapped[:4]) != b"GGUF":
             raise ValueError("no GGUF magic bytes")
-        _version, n_tensors, n_values = take("IQQ")
+        cursor = _Cursor(mapped, 4)  # past the magic bytes
+        _version, n_tensors, n_values = cursor.take("IQQ")
         alignment, architecture = 32, None
         for _ in range(n_values):
-            key, kind = string(), take("I")
+            key, kind = cursor.string(), cursor.take("I")
             if key == "general.alignment" and kind == 4:
-                alignment = take("I")
+                alignment = cursor.take("I")
             elif key == "general.architecture" and kind == _STRING:
-                architecture = string()
+                architecture = cursor.string()
             else:
-                skip_value(kind)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
-        start = -(-pos // alignment) * alignment
-        tensors = {}
-        for name, dims, kind, offset in infos:
-            block, block_bytes = GGML_QUANT_SIZES[kind]
-            row_bytes = dims[0] // block * block_bytes
-            rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            begin = start + offset
-            if begin + rows * row_bytes > mapped.size:
-                raise ValueError(f"tensor {name} runs past the end of the file")
-            tensors[name] = GGUFTensor(
-                name,
-                kind.name,
-                rows,
-                dims[0],
-                mapped[begin : begin + rows * row_bytes].reshape(rows, row_bytes),
-                Path(path),
-                begin,
-            )
-        return GGUFFile(tensors, architecture)
+                cursor.skip_value(kind)
+        infos = [cursor.tensor_info() for _ in range(n_tensors)]
+        start = -(-cursor.pos // alignment) * alignment
+        return GGUFFile(_map_tensors(mapped, Path(path), start, infos), architecture)
     except Exception as exc:  # struct, enum and numpy errors all mean a damaged file here
         raise SelfSpecError(
             f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
             "Download it again, or use --speed packed."
         ) from exc
+
+
+class _Cursor:
+    """Reads GGUF header fields from ``mapped`` at ``pos``, moving past them."""
+
+    def __init__(self, mapped: np.ndarray, pos: int):
+        self.mapped, self.pos = mapped, pos
+
+    def take(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.mapped, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string(self) -> str:
+        length = self.take("Q")
+        self.pos += length
+        return bytes(self.mapped[self.pos - length : self.pos]).decode("utf-8", "replace")
+
+    def skip_value(self, kind: int) -> None:
+        if kind == _STRING:
+            length = self.take("Q")  # (not `pos += take(...)`: take moves pos itself)
+            self.pos += length
+        elif kind == _ARRAY:
+            item_kind, count = self.take("IQ")
+            if item_kind in _SCALAR_BYTES:
+                self.pos += _SCALAR_BYTES[item_kind] * count
+            elif item_kind == _STRING:  # the vocabulary: a tight loop, not one call a string
+                lengths = struct.Struct("<Q")
+                for _ in range(count):
+                    self.pos += 8 + lengths.unpack_from(self.mapped, self.pos)[0]
+            else:
+                for _ in range(count):
+                    self.skip_value(item_kind)
+        else:
+            self.pos += _SCALAR_BYTES[kind]
+
+    def tensor_info(self) -> tuple:
+        """(name, dims, quantization type, offset from the data's start) of the next tensor."""
+        from gguf import GGMLQuantizationType
+
+        name = self.string()
+        dims = [self.take("Q") for _ in range(self.take("I"))]
+        return name, dims, GGMLQuantizationType(self.take("I")), self.take("Q")
+
+
+def _map_tensors(mapped: np.ndarray, path: Path, start: int, infos: list) -> dict[str, GGUFTensor]:
+    from gguf import GGML_QUANT_SIZES
+
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        row_bytes = dims[0] // block * block_bytes
+        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        begin = start + offset
+        if begin + rows * row_bytes > mapped.size:
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        data = mapped[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
+        tensors[name] = GGUFTensor(name, kind.name, rows, dims[0], data, path, begin)
+    return tensors

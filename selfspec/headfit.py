@@ -47,15 +47,32 @@ def fit_rows(
         raise ValueError("a soft loss needs owner: the answer each row belongs to")
     owner = None if owner is None else owner.to(device)
     heads = _initial_heads(init, count, hidden.shape[1], device, layers)
+    rows = (tokens[1] >= 0).nonzero()[:, 0]
+    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner)
+    heads = heads.detached()
+    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
+    heads.info = {
+        "layers": layers,
+        "soft": soft,
+        "vocab_prefix": len(out),
+        "rows": len(rows),
+        "heldout_top1_by_head": [round(t, 4) for t in top1],
+        "heldout_top1": round(top1[0], 4),
+    }
+    heads.frequent = frequent_ids(tokens[1], embed.shape[0])
+    return heads
+
+
+def _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner) -> None:
+    """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place."""
     params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
     for t in params:
         t.requires_grad_()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
-    rows = (tokens[1] >= 0).nonzero()[:, 0]
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
-    bar = progress_bar(steps, f"{count} chained heads", unit="batch")
+    bar = progress_bar(steps, f"{len(tokens) - 1} chained heads", unit="batch")
     for _ in range(epochs):
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
@@ -73,18 +90,6 @@ def fit_rows(
             decay.step()
             bar.update()
     bar.close()
-    heads = heads.detached()
-    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
-    heads.info = {
-        "layers": layers,
-        "soft": soft,
-        "vocab_prefix": len(out),
-        "rows": len(rows),
-        "heldout_top1_by_head": [round(t, 4) for t in top1],
-        "heldout_top1": round(top1[0], 4),
-    }
-    heads.frequent = frequent_ids(tokens[1], embed.shape[0])
-    return heads
 
 
 def _initial_heads(init, count, size, device, layers) -> DraftHeads:

@@ -101,7 +101,6 @@ def profile_engine(
     heads: DraftHeads | None = None,
 ) -> dict:
     import torch
-    from transformers import DynamicCache
 
     from selfspec.models import unmodified
 
@@ -114,11 +113,40 @@ def profile_engine(
     runner.reset(prefix + max(SIZES) + 1)
     runner.forward(prefix_ids, 0, last_logits_only=True)
 
+    times = _interleaved_ms(_passes(runner, prefix_ids, new_ids, plan, heads), repeats)
+    forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
+    hf_forward_ms = _hf_forward_ms(model, runner.device, prefix_ids, new_ids, repeats)
+    result = {
+        "model": engine.loaded.name,
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "speed_mode": loaded.speed,
+        "threads": torch.get_num_threads(),
+        "prefix": prefix,
+        "forward_ms": forward_ms,
+        "hf_forward_ms": hf_forward_ms,
+        "verify_ratio_8_over_1": forward_ms["8"] / forward_ms["1"],
+        "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
+    }
+    if plan is not None:
+        alpha = acceptance
+        if alpha is None:
+            alpha = plan.provenance.get("acceptance_rate") or 0.8
+        result.update(_draft_figures(times, alpha, forward_ms))
+    if heads is not None:
+        result.update(_head_figures(times, len(heads)))
+    return result
+
+
+def _passes(runner, prefix_ids, new_ids, plan, heads: DraftHeads | None) -> dict:
+    """What to time, by name: cached passes over each of SIZES tokens after ``prefix_ids``, the
+    plan's draft step (as its drafter runs it: capture, draft head) and the heads' draft with the
+    rounds around it."""
+    prefix = len(prefix_ids)
     passes = {str(n): lambda n=n: runner.forward(new_ids[:n], prefix) for n in SIZES}
     if plan is not None:
         from selfspec.drafters import SelfSkipDrafter
 
-        # time the step as the drafter runs it: capture, draft head
         drafter = SelfSkipDrafter(runner, plan)
         passes["draft"] = lambda: runner.forward(
             new_ids[:1],
@@ -135,59 +163,50 @@ def profile_engine(
         rows = min(len(heads) + 1, max(SIZES))
         round_pass = partial(runner.forward, new_ids[:rows], prefix)
         passes.update(_ahead_rounds(round_pass, head_draft, runner.device))
-    times = _interleaved_ms(passes, repeats)
-    forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
+    return passes
+
+
+def _hf_forward_ms(model, device, prefix_ids, new_ids, repeats: int) -> dict[str, float]:
+    """Plain transformers' cached passes over each of SIZES tokens after ``prefix_ids``."""
+    import torch
+    from transformers import DynamicCache
 
     hf_cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(prefix_ids[None].to(runner.device), past_key_values=hf_cache, use_cache=True)
+        model(prefix_ids[None].to(device), past_key_values=hf_cache, use_cache=True)
 
     def hf_step(n):
         with torch.inference_mode():
-            model(new_ids[None, :n].to(runner.device), past_key_values=hf_cache, use_cache=True)
+            model(new_ids[None, :n].to(device), past_key_values=hf_cache, use_cache=True)
         # drop the n new tokens again (negative: works across transformers versions)
         hf_cache.crop(-n)
 
-    hf_forward_ms = {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
+    return {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
 
-    result = {
-        "model": engine.loaded.name,
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).replace("torch.", ""),
-        "speed_mode": loaded.speed,
-        "threads": torch.get_num_threads(),
-        "prefix": prefix,
-        "forward_ms": forward_ms,
-        "hf_forward_ms": hf_forward_ms,
-        "verify_ratio_8_over_1": forward_ms["8"] / forward_ms["1"],
-        "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
-    }
-    if plan is not None:
-        draft_ms = statistics.median(times["draft"])
-        # each draft step over the one-token pass timed beside it: robust to drift between rounds
-        ratio = statistics.median(d / f for d, f in zip(times["draft"], times["1"]))
-        alpha = (
-            acceptance if acceptance is not None else plan.provenance.get("acceptance_rate") or 0.8
-        )
-        result.update(
-            draft_step_ms=draft_ms,
-            draft_cost_ratio=ratio,
-            acceptance_assumed=alpha,
-            **best_draft_length(alpha, draft_ms, forward_ms),
-        )
-    if heads is not None:
-        guesses = len(heads)
-        result.update(
-            head_guesses=guesses,
-            head_draft_ms=statistics.median(times["heads"]),
-            head_guess_cost_ratio=statistics.median(
-                h / guesses / f for h, f in zip(times["heads"], times["1"])
-            ),
-            ahead_pass_tokens=min(guesses + 1, max(SIZES)),
-            ahead_sequential_ms=statistics.median(times["draft, then pass"]),
-            ahead_beside_ms=statistics.median(times["draft beside pass"]),
-        )
-    return result
+
+def _draft_figures(times: dict, alpha: float, forward_ms: dict) -> dict:
+    draft_ms = statistics.median(times["draft"])
+    # each draft step over the one-token pass timed beside it: robust to drift between rounds
+    ratio = statistics.median(d / f for d, f in zip(times["draft"], times["1"]))
+    return dict(
+        draft_step_ms=draft_ms,
+        draft_cost_ratio=ratio,
+        acceptance_assumed=alpha,
+        **best_draft_length(alpha, draft_ms, forward_ms),
+    )
+
+
+def _head_figures(times: dict, guesses: int) -> dict:
+    return dict(
+        head_guesses=guesses,
+        head_draft_ms=statistics.median(times["heads"]),
+        head_guess_cost_ratio=statistics.median(
+            h / guesses / f for h, f in zip(times["heads"], times["1"])
+        ),
+        ahead_pass_tokens=min(guesses + 1, max(SIZES)),
+        ahead_sequential_ms=statistics.median(times["draft, then pass"]),
+        ahead_beside_ms=statistics.median(times["draft beside pass"]),
+    )
 
 
 def _ahead_rounds(round_pass, draft, device) -> dict:
