@@ -64,6 +64,8 @@ def read_gguf(path: Path) -> GGUFFile:
     """A GGUF file's tensors, mapped, not read, and its architecture. (gguf's GGUFReader also
     parses every metadata value, the 150k-token vocabulary included, which takes seconds; this
     skips them.)"""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
         if bytes(mapped[:4]) != b"GGUF":
@@ -79,9 +81,10 @@ def read_gguf(path: Path) -> GGUFFile:
                 architecture = cursor.string()
             else:
                 cursor.skip_value(kind)
-        infos = [cursor.tensor_info() for _ in range(n_tensors)]
+        infos = [cursor.tensor_info(GGMLQuantizationType) for _ in range(n_tensors)]
         start = -(-cursor.pos // alignment) * alignment
-        return GGUFFile(_map_tensors(mapped, Path(path), start, infos), architecture)
+        tensors = _map_tensors(mapped, Path(path), start, infos, GGML_QUANT_SIZES)
+        return GGUFFile(tensors, architecture)
     except Exception as exc:  # struct, enum and numpy errors all mean a damaged file here
         raise SelfSpecError(
             f"cannot read {path} as a GGUF file ({type(exc).__name__}: {exc}). "
@@ -123,21 +126,21 @@ class _Cursor:
         else:
             self.pos += _SCALAR_BYTES[kind]
 
-    def tensor_info(self) -> tuple:
-        """(name, dims, quantization type, offset from the data's start) of the next tensor."""
-        from gguf import GGMLQuantizationType
-
+    def tensor_info(self, types) -> tuple:
+        """(name, dims, quantization type, offset from the data's start) of the next tensor;
+        ``types``: gguf's GGMLQuantizationType."""
         name = self.string()
         dims = [self.take("Q") for _ in range(self.take("I"))]
-        return name, dims, GGMLQuantizationType(self.take("I")), self.take("Q")
+        return name, dims, types(self.take("I")), self.take("Q")
 
 
-def _map_tensors(mapped: np.ndarray, path: Path, start: int, infos: list) -> dict[str, GGUFTensor]:
-    from gguf import GGML_QUANT_SIZES
-
+def _map_tensors(
+    mapped: np.ndarray, path: Path, start: int, infos: list, sizes: dict
+) -> dict[str, GGUFTensor]:
+    """The tensors ``infos`` lists, mapped from ``mapped``; ``sizes``: gguf's GGML_QUANT_SIZES."""
     tensors = {}
     for name, dims, kind, offset in infos:
-        block, block_bytes = GGML_QUANT_SIZES[kind]
+        block, block_bytes = sizes[kind]
         row_bytes = dims[0] // block * block_bytes
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         begin = start + offset
