@@ -35,11 +35,9 @@ HEADS = "selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors"
 H, D, IN = 4, 64, 3072
 
 
-def features(args) -> None:
-    from selfspec.engine import Engine
-
-    engine = Engine.load("qwen2.5-coder-1.5b")
-    runner = engine.runner
+def picked_sequences(args) -> list[tuple[list[int], int, str]]:
+    """(token ids, prompt length, category) of ``--records``' answers and the ``--pick`` of
+    ``--answers``' (see the module's docstring)."""
     sequences = []
     if args.records:
         for r in torch.load(args.records, weights_only=False):
@@ -58,6 +56,15 @@ def features(args) -> None:
         }[args.pick]
         for i in picked:
             sequences.append((tokens[starts[i] : starts[i + 1]].tolist(), int(lengths[i, 0]), ""))
+    return sequences
+
+
+def features(args) -> None:
+    from selfspec.engine import Engine
+
+    engine = Engine.load("qwen2.5-coder-1.5b")
+    runner = engine.runner
+    sequences = picked_sequences(args)
     out = []
     for ids, prompt_len, category in sequences:
         with torch.inference_mode():

@@ -7,7 +7,8 @@ sets, decompressed (``xz -dc``). Stop 43 (``probes-2026-11-27-stop43/context.py`
 datastore's kept tokens against the heads'; this prices it in the replay. At each answer position
 without a context match, the datastore drafts the most frequent continuation of the longest suffix
 (2-8 tokens) that the 2.43M answer tokens hold, while the product of each next token's share of
-the continuations stays above a bound; elsewhere the heads' guesses under the committed rule.
+the continuations stays above a bound (``replay.py``'s ``replay_one`` with it before the heads);
+elsewhere the heads' guesses under the committed rule.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "replay-2026-11-27"))
-from replay import Policy, _head_draft  # noqa: E402
+from replay import Policy, replay_one  # noqa: E402
 
 from selfspec.drafters.ngram import ContextIndex  # noqa: E402
 
@@ -94,7 +96,7 @@ def read_answers(paths: list[str]) -> list[list[int]]:
     return answers
 
 
-def _store_draft(store: Store, committed: list[int], min_n: int, bound: float) -> list[int]:
+def _store_draft(store: Store, committed: list[int], *, min_n: int, bound: float) -> list[int]:
     found = store.lookup(committed, min_n=min_n)
     if found is None:
         return []
@@ -105,29 +107,6 @@ def _store_draft(store: Store, committed: list[int], min_n: int, bound: float) -
             break
         draft.append(token)
     return draft
-
-
-def replay_one(policy: Policy, store: Store | None, rec: dict, min_n: int, bound: float):
-    """Tokens after the first and their cost in plain steps (replay.py's replay_one, with the
-    datastore between the context match and the heads)."""
-    prompt, answer = rec["prompt"], rec["answer"]
-    chain = rec["guesses"][policy.vocab]
-    index = ContextIndex(min_ngram=policy.min_match)
-    i, cost = 0, 0.0
-    while i < len(answer) - 1:
-        committed = prompt + answer[: i + 1]
-        index.sync(committed)
-        match, steps = index.lookup(16), 0
-        if match is not None:
-            draft = match.tokens[: policy.context_tokens]
-        else:
-            draft = _store_draft(store, committed, min_n, bound) if store is not None else []
-            if not draft:
-                draft, steps = _head_draft(policy, chain, i, answer)
-        kept = _kept(draft, answer, i)
-        cost += policy.verify(len(draft) + 1) + steps * policy.guess_cost
-        i += kept + 1
-    return i, cost
 
 
 def _kept(draft: list[int], answer: list[int], i: int) -> int:
@@ -180,7 +159,10 @@ def main() -> None:
     for name, chosen, min_n, bound in variants:
         ratios, tokens, steps, by = [], 0, 0.0, defaultdict(list)
         for rec in records:
-            t, c = replay_one(policy, chosen, rec, min_n, bound)
+            between = None
+            if chosen is not None:
+                between = partial(_store_draft, chosen, min_n=min_n, bound=bound)
+            t, c = replay_one(policy, rec, between)
             if t:
                 ratios.append(t / c)
                 tokens, steps = tokens + t, steps + c

@@ -33,30 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "probes-2026-11-27-stop43"))
-from attention import Context  # noqa: E402  (the frozen heads, their ids and token inputs)
+from attention import Context, picked_sequences  # noqa: E402  (the frozen heads; the pick)
 
 from selfspec.drafters.heads import token_input  # noqa: E402
 
 LOW, MID = 8, 18  # layers whose entering states the fusion reads (of 28)
 HIDDEN = 1536
-
-
-def _sequences(args) -> list[tuple[list[int], int, str]]:
-    sequences = []
-    if args.records:
-        for r in torch.load(args.records, weights_only=False):
-            sequences.append((r["prompt"] + r["answer"], len(r["prompt"]), r["category"]))
-    for k, path in enumerate(args.answers or []):
-        from safetensors.torch import load_file
-
-        f = load_file(path)
-        tokens, lengths = f["tokens"], f["lengths"]
-        starts = [0, *(lengths[:, 0] + lengths[:, 1]).long().cumsum(0).tolist()]
-        test = [i for i in range(len(lengths)) if i % 20 == (0 if k == 0 else 4)]
-        picked = {"test": test[: args.count], "heldout": test[150:] if k == 0 else test}[args.pick]
-        for i in picked:
-            sequences.append((tokens[starts[i] : starts[i + 1]].tolist(), int(lengths[i, 0]), ""))
-    return sequences
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +53,7 @@ def features(args) -> None:
     engine = Engine.load("qwen2.5-coder-1.5b")
     runner, out, began = engine.runner, [], time.time()
     cuts = [0, 2 * LOW, 2 * MID, runner.num_sublayers]
-    for ids, prompt_len, category in _sequences(args):
+    for ids, prompt_len, category in picked_sequences(args):
         runner.reset(len(ids) + 1)
         x, hidden, states = torch.tensor(ids).view(1, -1), None, []
         for first, stop in zip(cuts, cuts[1:]):

@@ -154,8 +154,10 @@ def _head_draft(policy: Policy, chain, i: int, answer: list[int]) -> tuple[list[
     return draft, steps
 
 
-def replay_one(policy: Policy, rec: dict) -> tuple[int, float]:
-    """Tokens after the first and their cost in plain steps, round by round."""
+def replay_one(policy: Policy, rec: dict, before_heads=None) -> tuple[int, float]:
+    """Tokens after the first and their cost in plain steps, round by round. ``before_heads``
+    (committed ids -> draft), if given, drafts where no context match does and it returns
+    tokens; the heads draft where it returns none."""
     prompt, answer = rec["prompt"], rec["answer"]
     chain = rec["guesses"][policy.vocab]
     index = ContextIndex(min_ngram=policy.min_match)
@@ -172,6 +174,8 @@ def replay_one(policy: Policy, rec: dict) -> tuple[int, float]:
         if match is not None:
             draft = match.tokens[: policy.context_tokens]
         else:
+            draft = before_heads(committed) if before_heads is not None else []
+        if match is None and not draft:
             draft, steps = _head_draft(policy, chain, i, answer)
             if policy.context_after_heads and draft:
                 more = ContextIndex(min_ngram=policy.min_match)
