@@ -119,3 +119,29 @@ def test_postgres_study_survives_a_killed_worker(postgres_url, tmp_path):
 
 def test_journal_study_survives_a_killed_worker(tmp_path):
     _killed_then_two_workers(f"journal:///{tmp_path / 'study.log'}", "journal", tmp_path, trials=8)
+
+
+def test_a_trial_begun_after_the_study_is_done_is_pruned_but_a_retry_runs():
+    """A worker may start a trial just after another saw the study done with nothing running and
+    chose its plan (CI caught two workers' plans disagreeing so): such a trial is pruned before it
+    scores, so it cannot become a best that one plan lacks; a dead trial's queued retry still
+    runs."""
+    import optuna
+
+    from selfspec.search.workers import _unless_done, retry_trial
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    scored = []
+
+    def objective(trial):
+        scored.append(trial.number)
+        return trial.suggest_float("x", 0.0, 1.0)
+
+    study.optimize(_unless_done(objective, trials=2), n_trials=2)
+    assert scored == [0, 1]
+    study.optimize(_unless_done(objective, trials=2), n_trials=1)  # a third: the study is done
+    assert scored == [0, 1] and study.trials[2].state.name == "PRUNED"
+    retry_trial(study, study.trials[0])
+    study.optimize(_unless_done(objective, trials=2), n_trials=1)
+    assert scored == [0, 1, 3] and study.trials[3].state.name == "COMPLETE"

@@ -108,6 +108,23 @@ def _done(counts: Counter, trials: int) -> bool:
     return counts["COMPLETE"] >= trials and counts["WAITING"] == 0
 
 
+def _unless_done(objective: Callable, trials: int) -> Callable:
+    """``objective``, except that a trial which begins once the study holds its complete trials is
+    pruned at once. Another worker may have seen the study done, with nothing running, in the
+    moment between this worker's last count and this trial's start, and chosen its plan without
+    it; a trial created after that look must not become the study's best. (A queued retry of a
+    dead trial still runs.)"""
+    import optuna
+
+    def run(trial: optuna.Trial):
+        retry = "failed_trial" in trial.study._storage.get_trial_system_attrs(trial._trial_id)
+        if not retry and _done(trial_counts(trial.study), trials):
+            raise optuna.TrialPruned("the study already holds its complete trials")
+        return objective(trial)
+
+    return run
+
+
 def run_share(
     study: optuna.Study,
     objective: Callable,
@@ -144,7 +161,7 @@ def run_share(
             settle_until = None
             try:
                 study.optimize(
-                    objective,
+                    _unless_done(objective, trials),
                     timeout=left,
                     callbacks=[count_and_stop, *callbacks],
                     gc_after_trial=False,
