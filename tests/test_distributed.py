@@ -121,12 +121,13 @@ def test_journal_study_survives_a_killed_worker(tmp_path):
     _killed_then_two_workers(f"journal:///{tmp_path / 'study.log'}", "journal", tmp_path, trials=8)
 
 
-def test_a_trial_begun_after_the_study_is_done_is_pruned_but_a_retry_runs():
+def test_a_trial_begun_after_the_study_is_done_is_pruned_but_queued_ones_run():
     """A worker may start a trial just after another saw the study done with nothing running and
     chose its plan (CI caught two workers' plans disagreeing so): such a trial is pruned before it
-    scores, so it cannot become a best that one plan lacks; a dead trial's queued retry still
-    runs."""
+    scores, so it cannot become a best that one plan lacks. Queued trials, a warm start or a dead
+    trial's retry, still run."""
     import optuna
+    from optuna.distributions import FloatDistribution
 
     from selfspec.search.workers import _unless_done, retry_trial
 
@@ -138,10 +139,20 @@ def test_a_trial_begun_after_the_study_is_done_is_pruned_but_a_retry_runs():
         scored.append(trial.number)
         return trial.suggest_float("x", 0.0, 1.0)
 
-    study.optimize(_unless_done(objective, trials=2), n_trials=2)
-    assert scored == [0, 1]
-    study.optimize(_unless_done(objective, trials=2), n_trials=1)  # a third: the study is done
-    assert scored == [0, 1] and study.trials[2].state.name == "PRUNED"
-    retry_trial(study, study.trials[0])
-    study.optimize(_unless_done(objective, trials=2), n_trials=1)
-    assert scored == [0, 1, 3] and study.trials[3].state.name == "COMPLETE"
+    def one_more():
+        study.optimize(_unless_done(objective, trials=2), n_trials=1)
+        return study.trials[-1].state.name
+
+    assert [one_more(), one_more()] == ["COMPLETE", "COMPLETE"]
+    assert one_more() == "PRUNED" and scored == [0, 1]  # a third: the study is done
+    study.enqueue_trial({"x": 0.5})  # a warm start queued before it ran
+    assert one_more() == "COMPLETE" and scored == [0, 1, 3]
+    dead = optuna.trial.create_trial(
+        state=optuna.trial.TrialState.FAIL,
+        params={"x": 0.25},
+        distributions={"x": FloatDistribution(0.0, 1.0)},
+    )
+    study.add_trial(dead)  # a trial whose worker died
+    retry_trial(study, study.trials[-1])
+    assert one_more() == "COMPLETE" and scored == [0, 1, 3, 5]
+    assert study.trials[-1].params == {"x": 0.25}

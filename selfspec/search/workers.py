@@ -109,16 +109,17 @@ def _done(counts: Counter, trials: int) -> bool:
 
 
 def _unless_done(objective: Callable, trials: int) -> Callable:
-    """``objective``, except that a trial which begins once the study holds its complete trials is
-    pruned at once. Another worker may have seen the study done, with nothing running, in the
-    moment between this worker's last count and this trial's start, and chosen its plan without
-    it; a trial created after that look must not become the study's best. (A queued retry of a
-    dead trial still runs.)"""
+    """``objective``, except that a new trial which begins once the study holds its complete
+    trials is pruned at once. Another worker may have seen the study done, with nothing running
+    or queued, in the moment between this worker's last count and this trial's start, and chosen
+    its plan without it: a trial created after that look must not become the study's best. A
+    queued trial (a warm start, a dead trial's retry) still runs: it was asked for before."""
     import optuna
 
     def run(trial: optuna.Trial):
-        retry = "failed_trial" in trial.study._storage.get_trial_system_attrs(trial._trial_id)
-        if not retry and _done(trial_counts(trial.study), trials):
+        attrs = trial.study._storage.get_trial_system_attrs(trial._trial_id)
+        queued = "fixed_params" in attrs or "failed_trial" in attrs
+        if not queued and _done(trial_counts(trial.study), trials):
             raise optuna.TrialPruned("the study already holds its complete trials")
         return objective(trial)
 
