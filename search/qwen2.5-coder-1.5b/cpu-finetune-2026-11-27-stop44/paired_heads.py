@@ -29,7 +29,12 @@ def main() -> None:
     old, new, source, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     engine = Engine.load("qwen2.5-coder-1.5b")
     drafters = {"old": engine.self_drafter(heads=old), "new": engine.self_drafter(heads=new)}
-    prompts = load_prompts(source, limit)
+    compare(engine, drafters, load_prompts(source, limit))
+
+
+def compare(engine: Engine, drafters: dict, prompts: list) -> None:
+    """Drafters ``old`` and ``new`` paired on each of ``prompts`` twice, the order alternated;
+    prints what the module's docstring says."""
     ids = [engine.encode(p.text, chat=True) for p in prompts]
     for drafter in drafters.values():
         engine.generate(ids[0], drafter, max_new_tokens=16)  # warm-up

@@ -82,15 +82,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     engine = Engine.load("qwen2.5-coder-1.5b")
-    prompts = task_prompts(engine, args.answers, args.count, args.seed)
+    answer_all(engine, task_prompts(engine, args.answers, args.count, args.seed), args.out)
+
+
+def answer_all(engine: Engine, prompts: list[list[int]], out: str) -> None:
+    """``answer_group`` over ``prompts``, BATCH at a time, saved to ``out`` every 64 answers."""
     done, began = [], time.time()
     for first in range(0, len(prompts), BATCH):
         done += answer_group(engine, prompts[first : first + BATCH])
         rows = sum(len(d["answer"]) for d in done)
         print(len(done), rows, f"{rows / (time.time() - began):.1f} rows/s", flush=True)
         if len(done) % 64 == 0:
-            torch.save(done, args.out)
-    torch.save(done, args.out)
+            torch.save(done, out)
+    torch.save(done, out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ CORPUS_DIR holds ``enwiki.xml`` (a shortened English Wikipedia dump, 93 articles
 ``lee_background.cor`` (300 news stories), both from gensim 4.4.0's wheel (README). Each task is a
 question over four passages (one from the article it names), a summary of a news story or an
 article, or other work over one passage (key facts, a rewrite, questions with answers, dates and
-names). The answers go through stop 44's ``answer_group``: 128 tokens at most, eight a pass, in
+names). The answers go through stop 44's ``answer_all``: 128 tokens at most, eight a pass, in
 this CPU's gguf-q8 mode; ``finetune.py --tasks`` of stop 44 reads the file.
 """
 
@@ -18,18 +18,13 @@ import argparse
 import random
 import re
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 STOP44 = Path(__file__).resolve().parent.parent / "cpu-finetune-2026-11-27-stop44"
 sys.path.insert(0, str(STOP44))
-from task_answers import answer_group  # noqa: E402
+from task_answers import answer_all  # noqa: E402
 
 from selfspec.engine import Engine  # noqa: E402
-
-BATCH = 8
 
 
 def _strip_templates(text: str) -> str:
@@ -170,14 +165,7 @@ def main() -> None:
     engine = Engine.load("qwen2.5-coder-1.5b")
     encoded = [engine.encode(p, chat=True) for p in prompts]
     print("prompt tokens", sum(map(len, encoded)) / len(encoded), flush=True)
-    done, began = [], time.time()
-    for first in range(0, len(encoded), BATCH):
-        done += answer_group(engine, encoded[first : first + BATCH])
-        rows = sum(len(d["answer"]) for d in done)
-        print(len(done), rows, f"{rows / (time.time() - began):.1f} rows/s", flush=True)
-        if len(done) % 64 == 0:
-            torch.save(done, args.out)
-    torch.save(done, args.out)
+    answer_all(engine, encoded, args.out)
 
 
 if __name__ == "__main__":
