@@ -92,6 +92,19 @@ def _interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def cached_prefix(runner, prefix: int, new: int, vocab: int = 30000):
+    """A fresh cache holding ``prefix`` random token ids (seed 0), with room for ``new`` more:
+    returns those ids and ``new`` further ones to time passes over."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    prefix_ids = torch.randint(100, min(vocab, 30000), (prefix,), generator=gen)
+    new_ids = torch.randint(100, min(vocab, 30000), (new,), generator=gen)
+    runner.reset(prefix + new + 1)
+    runner.forward(prefix_ids, 0, last_logits_only=True)
+    return prefix_ids, new_ids
+
+
 def profile_engine(
     engine,
     plan=None,
@@ -106,12 +119,7 @@ def profile_engine(
 
     runner, loaded = engine.runner, engine.loaded
     model = unmodified(loaded).model  # "plain transformers on the same weights"
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prefix_ids = torch.randint(100, min(vocab, 30000), (prefix,), generator=gen)
-    new_ids = torch.randint(100, min(vocab, 30000), (max(SIZES),), generator=gen)
-    runner.reset(prefix + max(SIZES) + 1)
-    runner.forward(prefix_ids, 0, last_logits_only=True)
+    prefix_ids, new_ids = cached_prefix(runner, prefix, max(SIZES), model.config.vocab_size)
 
     times = _interleaved_ms(_passes(runner, prefix_ids, new_ids, plan, heads), repeats)
     forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}

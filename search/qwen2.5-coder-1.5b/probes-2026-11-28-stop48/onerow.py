@@ -10,15 +10,12 @@ import time
 import torch
 
 from selfspec.engine import Engine
+from selfspec.profile import cached_prefix
 
 speed, repeats = sys.argv[1], int(sys.argv[2])
 eng = Engine.load("qwen2.5-coder-1.5b", device="cpu", dtype=torch.float32, speed=speed)
 r = eng.runner
-g = torch.Generator().manual_seed(0)
-pre = torch.randint(100, 30000, (200,), generator=g)
-new = torch.randint(100, 30000, (8,), generator=g)
-r.reset(220)
-r.forward(pre, 0, last_logits_only=True)
+_, new = cached_prefix(r, 200, 8)
 out = {}
 for n in (1, 4):
     r.forward(new[:n], 200)

@@ -4,28 +4,18 @@ python cold_ops.py > cold_ops.log
 """
 
 import statistics
-import time
 
 import torch
 
 from selfspec.engine import Engine
+from selfspec.profile import _timed_ms as ms
+from selfspec.profile import cached_prefix
 
 engine = Engine.load("qwen2.5-coder-1.5b")
 runner = engine.runner
 ad = runner.adapter
-gen = torch.Generator().manual_seed(0)
-prefix = torch.randint(100, 30000, (200,), generator=gen)
-new = torch.randint(100, 30000, (8,), generator=gen)
-runner.reset(220)
-runner.forward(prefix, 0, last_logits_only=True)
+_, new = cached_prefix(runner, 200, 8)
 h = torch.randn(1, 1536)
-
-
-def ms(f):
-    t = time.perf_counter()
-    f()
-    return (time.perf_counter() - t) * 1e3
-
 
 cold, hot, emb_c, emb_h = [], [], [], []
 for r in range(20):

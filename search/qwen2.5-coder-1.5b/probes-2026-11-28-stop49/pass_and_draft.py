@@ -6,30 +6,20 @@ kernel build to compare builds (the software prefetch hint, README).
 """
 
 import statistics
-import time
 
 import torch
 
 from selfspec.engine import Engine
-from selfspec.profile import _head_draft
+from selfspec.profile import _head_draft, cached_prefix
+from selfspec.profile import _timed_ms as ms
 
 engine = Engine.load("qwen2.5-coder-1.5b")
 runner = engine.runner
 ad = runner.adapter
 heads = engine.resolve_heads(True)
-gen = torch.Generator().manual_seed(0)
-prefix = torch.randint(100, 30000, (300,), generator=gen)
-new = torch.randint(100, 30000, (8,), generator=gen)
-runner.reset(320)
-runner.forward(prefix, 0, last_logits_only=True)
+prefix, new = cached_prefix(runner, 300, 8)
 draft = _head_draft(runner, heads, prefix.tolist())
 h = torch.randn(1, 1536)
-
-
-def ms(f):
-    t = time.perf_counter()
-    f()
-    return (time.perf_counter() - t) * 1e3
 
 
 R = {k: [] for k in ("p1", "p2", "p4", "p8", "norm", "draft", "round")}
