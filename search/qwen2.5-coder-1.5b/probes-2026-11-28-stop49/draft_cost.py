@@ -8,6 +8,10 @@ alternated: ms per head draft and per round. Apply the patch first (``git apply`
 import collections
 import time
 
+from timing import calls as N
+from timing import clear, wrap
+from timing import seconds as T
+
 from selfspec.engine import Engine
 from selfspec.prompts import load_prompts
 
@@ -21,26 +25,14 @@ table = time.perf_counter() - t
 print(f"drafter made in {made:.2f} s, of which the input table {table:.2f} s")
 old = engine.self_drafter()
 old.heads._base_inputs = {}
-T = collections.defaultdict(float)
-N = collections.Counter()
 R = collections.Counter()
 for name, d in (("old", old), ("new", new)):
-    f = d.heads.draft
-
-    def g(*a, _f=f, _n=name, **k):
-        t = time.perf_counter()
-        r = _f(*a, **k)
-        T[_n] += time.perf_counter() - t
-        N[_n] += 1
-        return r
-
-    d.heads.draft = g
+    wrap(d.heads, "draft", name)
 prompts = load_prompts("spec-bench", 1)
 ids = [engine.encode(p.text, chat=True) for p in prompts]
 for d in (old, new):
     engine.generate(ids[0], d, max_new_tokens=16)
-T.clear()
-N.clear()
+clear()
 for rep in range(2):
     for pid in ids:
         for name, d in (("old", old), ("new", new)) if rep == 0 else (("new", new), ("old", old)):

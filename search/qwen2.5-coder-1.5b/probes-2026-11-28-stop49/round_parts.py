@@ -4,10 +4,10 @@ by wrapping them (8 Spec-Bench prompts, 128 new tokens, the default drafter, one
     python round_parts.py > round_parts.log
 """
 
-import collections
-import time
-
 import torch
+from timing import calls as N
+from timing import clear, wrap
+from timing import seconds as T
 
 from selfspec import decode as D
 from selfspec.drafters import heads as H
@@ -17,23 +17,6 @@ from selfspec.prompts import load_prompts
 engine = Engine.load("qwen2.5-coder-1.5b")
 runner = engine.runner
 drafter = engine.self_drafter()
-T = collections.defaultdict(float)
-N = collections.Counter()
-
-
-def wrap(obj, name, key):
-    f = getattr(obj, name)
-
-    def g(*a, **k):
-        t = time.perf_counter()
-        r = f(*a, **k)
-        T[key] += time.perf_counter() - t
-        N[key] += 1
-        return r
-
-    setattr(obj, name, g)
-
-
 wrap(runner, "forward", "forward")
 hdr = drafter.heads
 wrap(hdr, "_link", "link")
@@ -41,18 +24,7 @@ wrap(H, "head_step", "link.head_step")
 wrap(H, "argmax_rows", "link.argmax")
 wrap(hdr.vocab, "logits", "link.vocab.logits")
 wrap(hdr.vocab, "id_at", "link.id_at")
-_sm = torch.softmax
-
-
-def sm(*a, **k):
-    t = time.perf_counter()
-    r = _sm(*a, **k)
-    T["softmax"] += time.perf_counter() - t
-    N["softmax"] += 1
-    return r
-
-
-torch.softmax = sm
+wrap(torch, "softmax", "softmax")
 wrap(hdr.runner.adapter, "final_norm", "final_norm")
 wrap(hdr.vocab, "follow", "vocab.follow")
 wrap(hdr, "_token_input", "token_input")
@@ -67,8 +39,7 @@ wrap(D, "_round", "round")
 prompts = load_prompts("spec-bench", 1)[:8]
 ids_list = [engine.encode(p.text, chat=True) for p in prompts]
 engine.generate(ids_list[0], drafter, max_new_tokens=16)
-T.clear()
-N.clear()
+clear()
 for ids in ids_list:
     engine.generate(ids, drafter, max_new_tokens=128)
 r = N["round"]
