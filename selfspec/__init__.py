@@ -7,7 +7,7 @@ then verifies the whole draft in one full forward pass over one shared KV cache.
 import os as _os
 
 # MKL reads MKL_CBWR once, when it initialises. Its AVX2 code path makes multi-row matmuls
-# (the verify pass) much cheaper on AVX2-only CPUs (see README, "Speed"). It only takes
+# (the verify pass) much cheaper on AVX2-only CPUs (see docs/performance.md). It only takes
 # effect if selfspec is imported before torch; the CLI always is.
 _os.environ.setdefault("MKL_CBWR", "AVX2")
 

@@ -24,7 +24,7 @@ from selfspec.cliargs import (
     resolve_plan,
 )
 from selfspec.errors import SelfSpecError
-from selfspec.models import DEFAULT_MODEL
+from selfspec.loading.models import DEFAULT_MODEL
 
 # Each of these modules provides add_arguments(parser) and run(args) -> int.
 _SUBCOMMAND_MODULES = {
@@ -34,12 +34,12 @@ _SUBCOMMAND_MODULES = {
         "compare plain, self-speculative and dual-model decoding side by side",
     ),
     "profile": (
-        "selfspec.profile",
+        "selfspec.bench.profiler",
         "measure forward-pass costs over 1..16 tokens and a draft step",
     ),
     "serve": ("selfspec.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
     "train-heads": (
-        "selfspec.headtrain",
+        "selfspec.training.heads",
         "train draft heads for a model on its own answers (cheap drafts from the last pass)",
     ),
 }
@@ -49,7 +49,7 @@ _SUBCOMMAND_MODULES = {
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from selfspec.modelfiles import list_models
+    from selfspec.loading.sources import list_models
 
     rows = list_models(verify=args.verify)
     if args.json:
@@ -153,7 +153,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def _generate_model(args: argparse.Namespace) -> str:
     """--model, else the model a --plan was made for, else the default model."""
     if args.model is None and args.plan:
-        from selfspec.plan import load_plan
+        from selfspec.runtime.plan import load_plan
 
         return load_plan(args.plan).model.name
     return args.model or DEFAULT_MODEL
@@ -200,8 +200,8 @@ def _stats_line(method: str, result) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from selfspec.decode import check_request
-    from selfspec.sampling import Sampling
+    from selfspec.runtime.decode import check_request
+    from selfspec.runtime.sampling import Sampling
 
     prompt = read_prompt(args.prompt)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

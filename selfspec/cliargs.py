@@ -1,8 +1,8 @@
 """Command-line pieces every subcommand shares: model flags, plan flags, number checks.
 
 Each subcommand module (``selfspec.cli`` for generate and models, ``selfspec.search.cli``,
-``selfspec.bench.cli``, ``selfspec.profile``) builds its parser from these, so a flag means the
-same everywhere and a bad value gets the same one-line error.
+``selfspec.bench.cli``, ``selfspec.bench.profiler``) builds its parser from these, so a flag means
+the same everywhere and a bad value gets the same one-line error.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
-from selfspec.models import DEFAULT_MODEL
-from selfspec.speed import SPEED_MODES
+from selfspec.loading.models import DEFAULT_MODEL
+from selfspec.speed.modes import SPEED_MODES
 
 if TYPE_CHECKING:
     import torch
 
     from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
-    from selfspec.plan import SkipPlan
+    from selfspec.runtime.plan import SkipPlan
 
 SPEED_HELP = (
     "weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same results "
@@ -127,7 +127,7 @@ def resolve_heads(engine: Engine, args: argparse.Namespace) -> bool | DraftHeads
 
 def resolve_plan(engine: Engine, args: argparse.Namespace) -> SkipPlan | None:
     """The plan a command should use: --plan, else the model's default, with --skip-* overrides."""
-    from selfspec.plan import DraftPolicy, parse_layer_list
+    from selfspec.runtime.plan import DraftPolicy, parse_layer_list
 
     if getattr(args, "no_plan", False):
         plan = None

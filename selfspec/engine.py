@@ -11,23 +11,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from selfspec.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.errors import SelfSpecError
-from selfspec.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
+from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
 from selfspec.paths import find_default_plan, find_heads
-from selfspec.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
-from selfspec.runner import ModelRunner
-from selfspec.sampling import Sampling
-from selfspec.speed import GRAPH_MODES, numerics_note
+from selfspec.runtime.decode import DecodeConfig, DecodeStats, generate_ids
+from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
+from selfspec.runtime.runner import ModelRunner
+from selfspec.runtime.sampling import Sampling
+from selfspec.speed.modes import GRAPH_MODES, numerics_note
 
 
 def make_runner(loaded: LoadedModel) -> ModelRunner:
     """The runner for a loaded model: on CUDA, fixed-shape passes (replayed as CUDA graphs in the
     graph modes); elsewhere the ordinary runner."""
     if loaded.device.type == "cuda":
-        from selfspec.static import StaticRunner
+        from selfspec.runtime.cuda_graphs import StaticRunner
 
         graphs = loaded.speed in GRAPH_MODES
         return StaticRunner(loaded, graphs=graphs, compile=loaded.speed == "cuda-compiled")
@@ -98,12 +98,12 @@ class Engine:
         speed: str = "auto",
         max_memory: dict | None = None,
     ) -> Engine:
-        """``speed``: weight layout and kernels (see ``selfspec.speed``); "auto" picks the fastest
-        that runs. ``max_memory``: spread the model over devices, e.g. ``{0: "10GiB", "cpu":
+        """``speed``: weight layout and kernels (see ``selfspec.speed.modes``); "auto" picks the
+        fastest that runs. ``max_memory``: spread the model over devices, e.g. ``{0: "10GiB", "cpu":
         "30GiB"}`` (sizes in bytes or as text; the rest goes to disk; see
-        ``selfspec.placement``)."""
+        ``selfspec.loading.placement``)."""
         if max_memory is not None:
-            from selfspec.placement import check_max_memory
+            from selfspec.loading.placement import check_max_memory
 
             max_memory = check_max_memory(max_memory)
             speed = "torch" if speed == "auto" else speed

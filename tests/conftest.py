@@ -1,4 +1,4 @@
-"""Shared fixtures. Real models load once per session (first use downloads and converts them)."""
+"""Shared fixtures. Real models load once per test run (first use downloads and converts them)."""
 
 import contextlib
 import os
@@ -11,6 +11,16 @@ import torch  # noqa: E402
 import selfspec  # noqa: E402,F401  (sets MKL_CBWR before torch)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Fixtures that load a real model (the first use downloads and converts it): a test that uses one
+# is slow whether or not it says so, and the quick lane (-m "not slow") leaves it out.
+REAL_MODEL_FIXTURES = {"smollm2", "qwen05", "smollm2_packed", "qwen05_packed"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 # Speed mode "torch": the model exactly as transformers builds it, so transformers' own
@@ -56,7 +66,7 @@ def tiny_llama(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from selfspec.engine import Engine
-    from selfspec.models import LoadedModel
+    from selfspec.loading.models import LoadedModel
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from selfspec.adaptation import AdaptiveThreshold
+from selfspec.drafters.adaptation import AdaptiveThreshold
 
 
 def test_rises_while_acceptance_is_below_target_and_falls_above():

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from selfspec.errors import SelfSpecError
-from selfspec.plan import load_plan, plan_from_dict
+from selfspec.runtime.plan import load_plan, plan_from_dict
 
 SHIPPED = Path(__file__).parents[1] / "selfspec" / "plans" / "smollm2-135m" / "plan.json"
 VALID = json.loads(SHIPPED.read_text())
@@ -135,6 +135,8 @@ CLI_ROWS = [
     ("bench limit 0", ["bench", *M, "--limit", "0"], None, "--limit must be at least 1"),
     ("bench unknown method", ["bench", *M, "--methods", "warp_drive"], None, "warp_drive"),
     ("profile no repeats", ["profile", *M, "--repeats", "0"], None, "--repeats"),
+    ("profile rows past 64", ["profile", *M, "--rows", "1,128"], None, "--rows: give pass sizes"),
+    ("profile rows not numbers", ["profile", *M, "--rows", "a"], None, "not a number of tokens"),
     (
         "train-heads no questions",
         ["train-heads", *M, "--questions", "0"],

@@ -1,18 +1,18 @@
-"""Several sequences decoded together (selfspec.batch): every sequence gets exactly the tokens it
-gets alone, whatever joins or leaves the batch, in each kernel mode that batches."""
+"""Several sequences decoded together (selfspec.runtime.batch): every sequence gets exactly the
+tokens it gets alone, whatever joins or leaves the batch, in each kernel mode that batches."""
 
 from __future__ import annotations
 
 import pytest
 
-from selfspec.batch import (
+from selfspec.drafters.batched import BatchDrafter
+from selfspec.runtime.batch import (
     PREFILL_CHUNK,
     admit_sequence,
     resume_sequence,
     step,
 )
-from selfspec.decode import generate_ids, prefill
-from selfspec.drafters.batched import BatchDrafter
+from selfspec.runtime.decode import generate_ids, prefill
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n\nx = np."]
@@ -160,8 +160,8 @@ def test_a_planned_batch_drafts_only_where_rows_pay():
     tokens most likely first, and only while the expected tokens per second rise."""
     from selfspec.drafters.adaptive import Acceptance
     from selfspec.drafters.base import RoundOutcome
-    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
+    from selfspec.drafters.pass_costs import PassCosts
 
     costs = PassCosts()
     for rows, seconds in [(1, 0.10), (2, 0.102), (3, 0.104), (4, 0.106), (5, 0.2), (6, 0.3)]:
@@ -187,8 +187,8 @@ def test_a_batch_that_never_ran_alone_drafts_once_its_own_passes_are_timed():
     passes (prompt chunks included) fit a line of cost against rows, and drafting starts from it:
     a row that costs a tenth of a four-row pass pays for a draft kept 90% of the time."""
     from selfspec.drafters.adaptive import Acceptance
-    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
+    from selfspec.drafters.pass_costs import PassCosts
 
     sure = Acceptance(8)
     for _ in range(40):
@@ -232,8 +232,8 @@ def test_a_planned_batch_takes_head_guesses_only_where_rows_pay():
     import torch
 
     from selfspec.drafters.base import RoundOutcome
-    from selfspec.drafters.costs import PassCosts
     from selfspec.drafters.ngram import ContextIndex
+    from selfspec.drafters.pass_costs import PassCosts
 
     contexts = [ContextIndex(), ContextIndex()]
     contexts[0].sync([1, 2, 3])
@@ -290,7 +290,7 @@ def test_prompts_read_past_a_stored_prefix_give_their_plain_tokens(engine):
     """A later turn starts from the keys and values the turn before left in a PrefixStore, alone
     (generate_ids) and in a batch (admit_sequence): it reads only the rest of its prompt and gets
     exactly the tokens a fresh prefill gives."""
-    from selfspec.prefixes import PrefixStore
+    from selfspec.runtime.prefixes import PrefixStore
 
     runner, tokenizer = engine.runner, engine.tokenizer
     store = PrefixStore(budget_bytes=1 << 30)

@@ -171,78 +171,6 @@ def test_bench_reports_the_decoding_phase_on_its_own(bench_run):
     assert "Verify passes by rows in the pass" in md
 
 
-def test_decoding_phase_summary_from_known_runs():
-    """The summary's decoding-phase figures from runs with made-up times: per prompt, (new tokens
-    - 1) / (seconds - first token); then medians over prompts, speedups as medians of per-prompt
-    ratios (the end-to-end speedups' rule), and nothing for a run of a single token."""
-    from selfspec.bench.summary import summarize
-    from selfspec.prompts import Prompt
-
-    prompts = [Prompt("a", "x", "."), Prompt("b", "x", "."), Prompt("c", "y", ".")]
-
-    def runs(*times, tokens=(1, 2, 3, 4, 5)):
-        return [[bench.MethodRun(list(tokens), s, first_token_seconds=f)] for s, f in times]
-
-    all_runs = {
-        "hf_generate": runs((1.0, 0.2), (1.0, 0.6), (2.0, 1.0)),  # decode 5, 10, 4 tok/s
-        "autoregressive": runs((0.5, 0.1), (0.9, 0.5), (1.0, 0.2)),  # decode 10, 10, 5 tok/s
-        "one_token": runs((0.1, 0.1), (0.1, 0.1), (0.1, 0.1), tokens=(1,)),
-    }
-    registry = {name: bench.Method(name, None) for name in all_runs}
-    result = summarize(prompts, [[0]] * 3, list(all_runs), registry, all_runs, {})
-    hf, ar = result["methods"]["hf_generate"], result["methods"]["autoregressive"]
-    assert [p["methods"]["hf_generate"]["decode_tokens_per_second"] for p in result["prompts"]] == (
-        pytest.approx([5.0, 10.0, 4.0])
-    )
-    assert hf["decode_tokens_per_second"] == pytest.approx(5.0)
-    assert hf["time_to_first_token"] == pytest.approx(0.6)
-    assert ar["decode_tokens_per_second"] == pytest.approx(10.0)
-    assert ar["decode_speedup_vs_hf_generate"] == pytest.approx(1.25)  # median of 2, 1, 1.25
-    assert ar["decode_speedup_vs_autoregressive"] == pytest.approx(1.0)
-    assert hf["decode_speedup_vs_autoregressive"] == pytest.approx(0.8)  # median of 0.5, 1, 0.8
-    assert ar["categories"]["x"]["decode_speedup_vs_hf_generate"] == pytest.approx(1.5)
-    assert ar["categories"]["y"]["decode_tokens_per_second"] == pytest.approx(5.0)
-    assert ar["categories"]["y"]["time_to_first_token"] == pytest.approx(0.2)
-    # end to end as before: tokens over all the seconds
-    assert ar["speedup_vs_hf_generate"] == pytest.approx(statistics.median([2.0, 1.0 / 0.9, 2.0]))
-    one = result["methods"]["one_token"]
-    assert one["decode_tokens_per_second"] is None and one["decode_speedup_vs_hf_generate"] is None
-    assert one["time_to_first_token"] == pytest.approx(0.1) and one["tokens_per_second"] == 10.0
-
-
-def test_verify_passes_by_rows_from_known_runs():
-    """Each method's verify passes pooled by rows over prompts: median ms, counts, and the median
-    of each pass over plain decoding's median one-row pass on the same prompt; in the Markdown."""
-    from selfspec.bench.report import _verify_table
-    from selfspec.bench.summary import summarize
-    from selfspec.decode import DecodeStats
-    from selfspec.prompts import Prompt
-
-    def run(verify_seconds: dict) -> bench.MethodRun:
-        return bench.MethodRun([1, 2, 3], 1.0, DecodeStats(verify_seconds=verify_seconds), 0.1)
-
-    prompts = [Prompt("short", "x", "."), Prompt("long", "x", ".")]
-    runs = {  # the long prompt's passes cost twice the short one's
-        "autoregressive": [[run({1: [0.010, 0.012, 0.010]})], [run({1: [0.020, 0.021, 0.020]})]],
-        "self_speculative": [[run({1: [0.010], 3: [0.012, 0.013]})], [run({3: [0.024]})]],
-    }
-    registry = {name: bench.Method(name, None) for name in runs}
-    result = summarize(prompts, [[0]] * 2, list(runs), registry, runs, {})
-    spec = result["methods"]["self_speculative"]
-    assert spec["verify_ms_by_rows"] == {1: pytest.approx(10.0), 3: pytest.approx(13.0)}
-    assert spec["verify_passes_by_rows"] == {1: 1, 3: 3}
-    # 3 rows: 0.012 / 0.010, 0.013 / 0.010 on the short prompt, 0.024 / 0.020 on the long one
-    assert spec["verify_steps_by_rows"] == {1: pytest.approx(1.0), 3: pytest.approx(1.2)}
-    assert result["methods"]["autoregressive"]["verify_steps_by_rows"] == {1: pytest.approx(1.0)}
-    result["config"] = {"categories": ["x"], "memory_method": "."}
-    result["machine"], result["notes"] = {}, []
-    table = _verify_table(result)
-    assert "| self_speculative | 10.00 (1.00) | 13.00 (1.20) |" in table
-    assert DecodeStats(verify_seconds={2: [0.001, 0.003]}).to_dict()["verify_ms_by_rows"] == {
-        2: pytest.approx(2.0)
-    }
-
-
 @pytest.mark.slow
 def test_broken_method_reported_as_not_identical(bench_run):
     result, out, _ = bench_run
@@ -426,68 +354,6 @@ def test_draft_model_with_another_tokenizer_fails_before_running(smollm2):
         )
 
 
-def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
-    """In gguf-q8 (8-bit activations) selfspec's methods may differ from the float32 baseline: the
-    report says why instead of flagging an error; in a float32 mode the same result is flagged."""
-    from pathlib import Path
-
-    saved = (
-        Path(__file__).resolve().parent.parent
-        / "search"
-        / "qwen2.5-coder-1.5b"
-        / "gguf-q8"
-        / "bench"
-        / "bench.json"
-    )
-    result = json.loads(saved.read_text())
-    assert result["config"]["speed_mode"] == "gguf-q8"
-    assert result["methods"]["autoregressive"]["identical_to_baseline"] is False
-    md = bench.format_markdown(result)
-    assert (
-        "no (mode's numerics)" in md and "**NO**" not in md and "differs from hf_generate" not in md
-    )
-    assert all(
-        m["identical_to_autoregressive"]
-        for n, m in result["methods"].items()
-        if "identical_to_autoregressive" in m
-    )
-    result["config"]["speed_mode"] = "gguf"
-    md = bench.format_markdown(result)
-    assert "**NO**" in md and "**autoregressive differs from hf_generate" in md
-
-
-def test_profile_times_every_pass_size_and_the_draft_step_in_turn(smollm2):
-    """`selfspec profile`: pass sizes and the draft step take turns within each round, so the
-    draft step's share of a step is a median of ratios timed side by side."""
-    from selfspec.profile import SIZES, profile_engine
-
-    n = smollm2.identity.num_layers
-    plan = smollm2.make_plan([n // 2], [n // 2 + 1])
-    result = profile_engine(smollm2, plan, prefix=16, repeats=3, acceptance=0.7)
-    assert list(result["forward_ms"]) == [str(s) for s in SIZES]
-    assert all(ms > 0 for ms in result["forward_ms"].values())
-    assert result["draft_step_ms"] > 0 and 0 < result["draft_cost_ratio"] < 5
-    assert result["acceptance_assumed"] == 0.7 and 0 <= result["best_draft_length"] < 16
-    assert "head_draft_ms" not in result  # no heads given
-
-
-def test_profile_times_a_draft_of_every_head_guess(smollm2):
-    from selfspec.drafters.heads import DraftHeads
-    from selfspec.profile import profile_engine
-
-    size = smollm2.loaded.model.config.hidden_size
-    heads = DraftHeads([torch.zeros(size, 2 * size)] * 3, [torch.zeros(size)] * 3, {})
-    result = profile_engine(smollm2, None, prefix=16, repeats=3, heads=heads)
-    assert result["head_guesses"] == 3 and result["head_draft_ms"] > 0
-    assert 0 < result["head_guess_cost_ratio"] < 5
-    # a round with the draft beside its verify pass (over the pending token and 3 guesses), and
-    # one after the other: each ran both (halved: medians of separate timings on a busy machine)
-    assert result["ahead_pass_tokens"] == 4
-    pass_ms = result["forward_ms"]["4"]
-    assert result["ahead_sequential_ms"] > 0.5 * (result["head_draft_ms"] + pass_ms)
-    assert result["ahead_beside_ms"] > 0.5 * max(result["head_draft_ms"], pass_ms)
-
-
 def test_a_method_whose_library_crashes_is_reported_not_run(monkeypatch):
     """llama.cpp is tried in a child first: a child that dies of a signal (as some AMX builds of
     llama-cpp-python do on some VMs) is named, and the bench skips the method with that reason, or
@@ -506,7 +372,7 @@ def test_a_method_whose_library_crashes_is_reported_not_run(monkeypatch):
     # the real probe, its child made to die as those builds do
     monkeypatch.setattr(bench.run, "llama_cpp_available", lambda: True)
     monkeypatch.setattr(bench.methods, "gguf_path_for", lambda name: f"{name}.gguf")
-    monkeypatch.setattr(bench.methods, "_LLAMA_CPP_PROBE", crash[2])
+    monkeypatch.setattr(bench.methods, "LLAMA_CPP_PROBE", crash[2])
     chosen, notes = bench.run.resolve_methods(
         ["autoregressive", "llama_cpp"], plan=None, draft=None, model_name=name
     )

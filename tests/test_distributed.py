@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from selfspec.plan import load_plan
+from selfspec.runtime.plan import load_plan
 from selfspec.search.space import plan_args
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_a_trial_begun_after_the_study_is_done_is_pruned_but_queued_ones_run():
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from selfspec.search.workers import _unless_done, retry_trial
+    from selfspec.search.workers import retry_trial, unless_done
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize")
@@ -140,7 +140,7 @@ def test_a_trial_begun_after_the_study_is_done_is_pruned_but_queued_ones_run():
         return trial.suggest_float("x", 0.0, 1.0)
 
     def one_more():
-        study.optimize(_unless_done(objective, trials=2), n_trials=1)
+        study.optimize(unless_done(objective, trials=2), n_trials=1)
         return study.trials[-1].state.name
 
     assert [one_more(), one_more()] == ["COMPLETE", "COMPLETE"]

@@ -4,7 +4,6 @@ round from measured costs. Lossless in greedy decoding and in sampling; adapts; 
 import pytest
 import torch
 
-from selfspec.adaptation import SpeedGuard
 from selfspec.drafters import (
     AdaptiveDrafter,
     Draft,
@@ -12,10 +11,11 @@ from selfspec.drafters import (
     DraftSettings,
     RoundOutcome,
 )
-from selfspec.drafters.adaptive import Acceptance, Calibration, _head_prior
-from selfspec.drafters.costs import PassCosts
+from selfspec.drafters.adaptation import SpeedGuard
+from selfspec.drafters.adaptive import Acceptance, Calibration, head_prior
 from selfspec.drafters.ngram import ContextIndex
-from selfspec.sampling import Sampling
+from selfspec.drafters.pass_costs import PassCosts
+from selfspec.runtime.sampling import Sampling
 
 # ------------------------------------------------------------------------------ the context index
 
@@ -243,14 +243,14 @@ def test_layer_skip_is_not_probed_where_it_cannot_pay():
 
 def test_head_drafts_start_from_the_held_out_figures_of_their_training():
     # heads 1..j all right on 50%, 30%, 15% of held-out positions: kept given the ones before it
-    prior = _head_prior({"heldout_top1_by_head": [0.5, 0.3, 0.15]})
+    prior = head_prior({"heldout_top1_by_head": [0.5, 0.3, 0.15]})
     assert prior == pytest.approx([0.5, 0.6, 0.5])
     acceptance = Acceptance(3, prior)
     assert acceptance.rate(1) == pytest.approx(0.6)  # before any round
     for _ in range(20):
         acceptance.record(drafted=3, accepted=0)
     assert acceptance.rate(0) < 0.1  # what the stream shows soon outweighs it
-    assert _head_prior({}) is None and _head_prior({"heldout_top1_by_head": [0.4, 0.0]}) is None
+    assert head_prior({}) is None and head_prior({"heldout_top1_by_head": [0.4, 0.0]}) is None
 
 
 def test_head_chances_are_scaled_by_how_they_came_true():
@@ -345,6 +345,7 @@ def second_token_counts(engine, prompt, sampling, n):
     return counts
 
 
+@pytest.mark.slow  # thousands of seeded generations
 def test_sampling_with_context_drafts_matches_the_target(sharper_tiny, monkeypatch):
     """Context drafts are certain (q = 1 for the drafted token): the acceptance rule then keeps a
     draft with probability p and resamples from p without it, which leaves p exactly. The same test

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from selfspec.errors import SelfSpecError
-from selfspec.plan import DraftPolicy
 from selfspec.prompts import load_prompts
+from selfspec.runtime.plan import DraftPolicy
 
 PROMPTS = [p.text for p in load_prompts("spec-bench:coding,math_reasoning,translation", limit=1)]
 

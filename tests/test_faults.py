@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from selfspec import modelcache
-from selfspec.plan import load_plan
+from selfspec.loading import cache as modelcache
+from selfspec.runtime.plan import load_plan
 
 SAVE_PLAN = """
 import sys
 from selfspec.errors import SelfSpecError
-from selfspec.plan import load_plan
+from selfspec.runtime.plan import load_plan
 plan = load_plan(sys.argv[1])
 plan.provenance["note"] = "x" * 4096  # a bigger file than the old one
 try:
@@ -98,7 +98,9 @@ def test_saving_a_plan_into_a_read_only_folder_keeps_the_old_plan(old_plan):
 @pytest.mark.slow
 def test_two_processes_building_one_model_build_it_once(tmp_path):
     env = dict(os.environ, SELFSPEC_CACHE=str(tmp_path), SELFSPEC_NO_PROGRESS="1")
-    code = "from selfspec.modelfiles import ensure_bundled; print(ensure_bundled('smollm2-135m'))"
+    code = (
+        "from selfspec.loading.sources import ensure_bundled; print(ensure_bundled('smollm2-135m'))"
+    )
     workers = [
         subprocess.Popen(
             [sys.executable, "-c", code],
@@ -126,7 +128,7 @@ def test_a_read_only_cache_still_loads_a_quantized_mode(tmp_path):
     gives."""
     import shutil
 
-    from selfspec.modelfiles import ensure_bundled, gguf_source
+    from selfspec.loading.sources import ensure_bundled, gguf_source
     from selfspec.paths import kernel_build_root
 
     gguf = tmp_path / "smollm2.gguf"
@@ -135,7 +137,7 @@ def test_a_read_only_cache_still_loads_a_quantized_mode(tmp_path):
     cache.mkdir()
     (cache / "kernels").symlink_to(kernel_build_root())  # compiled already, and writable
     env = dict(os.environ, SELFSPEC_CACHE=str(cache), SELFSPEC_NO_PROGRESS="1")
-    describe = "import sys, pathlib; from selfspec.modelfiles import ensure_local_gguf; "
+    describe = "import sys, pathlib; from selfspec.loading.sources import ensure_local_gguf; "
     describe += "ensure_local_gguf(pathlib.Path(sys.argv[1]))"
     subprocess.run([sys.executable, "-c", describe, str(gguf)], env=env, check=True, timeout=600)
     generate = [sys.executable, "-m", "selfspec.cli", "generate", "def add(a, b):"]
@@ -173,8 +175,8 @@ def test_filelock_is_imported_before_the_kernel_build_thread_starts():
     code += "    seen.append('filelock' in sys.modules)\n"
     code += "    start(self)\n"
     code += "threading.Thread.start = recorded\n"
-    code += "from selfspec.models import _compile_kernel_meanwhile\n"
-    code += "_compile_kernel_meanwhile()\n"
+    code += "from selfspec.loading.models import compile_kernel_meanwhile\n"
+    code += "compile_kernel_meanwhile()\n"
     code += "print(seen)\n"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600

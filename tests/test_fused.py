@@ -1,4 +1,5 @@
-"""Whole decoder sublayers as one native call each (selfspec.fused), in the kernel speed modes."""
+"""Whole decoder sublayers as one native call each (selfspec.speed.fused), in the kernel speed
+modes."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ PROMPT = "def merge_sorted(a, b):\n    "
 
 def module_path(engine):
     """The same engine's runner, calling the model's modules instead of the fused layers."""
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.runner import ModelRunner
 
     runner = ModelRunner(engine.loaded)
     runner.adapter.fused = None
@@ -43,7 +44,7 @@ def test_fused_layers_compute_the_module_path_s_logits(qwen05_packed):
 
 @pytest.mark.slow
 def test_fused_decoding_matches_the_module_path_token_for_token(smollm2_packed):
-    from selfspec.decode import generate_ids
+    from selfspec.runtime.decode import generate_ids
 
     engine = smollm2_packed
     ids = engine.encode(PROMPT)
@@ -54,7 +55,7 @@ def test_fused_decoding_matches_the_module_path_token_for_token(smollm2_packed):
 
 
 def test_only_kernel_modes_of_pre_norm_families_fuse(tiny_llama):
-    from selfspec.fused import fuse_layers
+    from selfspec.speed.fused import fuse_layers
 
     assert fuse_layers(tiny_llama.loaded.model, "torch") is None  # transformers' own modules
     assert tiny_llama.runner.adapter.fused is None
@@ -69,7 +70,7 @@ def test_the_layer_stack_gives_the_per_sublayer_calls_bits(speed):
     from selfspec.engine import Engine
 
     engine = Engine.load("smollm2-135m", speed=speed)
-    runner, stack = engine.runner, engine.runner._stack
+    runner, stack = engine.runner, engine.runner.layer_stack
     assert stack is not None
     ids = torch.tensor(engine.encode(PROMPT))
     n = ids.numel()
@@ -89,10 +90,10 @@ def test_the_layer_stack_gives_the_per_sublayer_calls_bits(speed):
     ]
     results = []
     for layer_stack in (stack, None):
-        runner._stack = layer_stack
+        runner.layer_stack = layer_stack
         runner.reset(n + 16)
         results.append([runner.forward(**p) for p in passes])
-    runner._stack = stack
+    runner.layer_stack = stack
     for (logits, captured), (logits_ref, captured_ref) in zip(*results):
         assert torch.equal(logits, logits_ref)
         assert (captured is None) == (captured_ref is None)
@@ -104,7 +105,7 @@ def test_argmax_rows_is_torch_s_argmax():
     """The kernel's argmax (greedy decoding's every token): the first of equal maxima, and rows
     with NaN or infinities as torch gives them."""
     from selfspec.kernels import load_kernel
-    from selfspec.sampling import argmax_rows
+    from selfspec.runtime.sampling import argmax_rows
 
     kernel = load_kernel()
     torch.manual_seed(0)

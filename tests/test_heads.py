@@ -1,5 +1,5 @@
-"""Draft heads (selfspec.drafters.heads) and their training (selfspec.headtrain): the drafts stay
-lossless, the heads learn something real, files fail clearly, and training resumes."""
+"""Draft heads (selfspec.drafters.heads) and their training (selfspec.training.heads): the drafts
+stay lossless, the heads learn something real, files fail clearly, and training resumes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from selfspec.drafters.adaptive import AdaptiveDrafter
 from selfspec.drafters.base import DraftRequest, DraftSettings, RoundOutcome
 from selfspec.drafters.heads import DraftHeads, HeadDrafter, fastest_products
 from selfspec.errors import SelfSpecError
-from selfspec.headfit import frequent_ids
-from selfspec.headtrain import train_heads
-from selfspec.sampling import Sampling
+from selfspec.runtime.sampling import Sampling
+from selfspec.training.fit import frequent_ids
+from selfspec.training.heads import train_heads
 
 
 def random_heads(size: int, count: int, vocab_prefix: int, scale: float = 0.5) -> DraftHeads:
@@ -84,7 +84,7 @@ def test_the_soft_loss_reads_the_row_that_made_each_token_within_its_answer():
     """Head j's soft target at row i is the model's distribution from row i + 1 + j, only where
     that row is of the same answer; other rows get none (here: logits that equal the target give
     the target's entropy, and a row from another answer would change it)."""
-    from selfspec.headfit import _initial_heads, _soft_loss
+    from selfspec.training.fit import initial_heads, soft_loss
 
     out = torch.eye(4)  # logits = the hidden state itself
     hidden = torch.tensor([[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0], [0, 0, 0, 3.0]])
@@ -93,10 +93,10 @@ def test_the_soft_loss_reads_the_row_that_made_each_token_within_its_answer():
     logits = hidden[rows + 1]  # what a perfect head 0 would give
     target = torch.softmax(hidden[[1, 3]], -1)  # rows 0 and 2 only: row 1's next is row 2's answer
     entropy = -(target * target.log()).sum(-1).mean()
-    assert torch.allclose(_soft_loss(logits, hidden, owner, rows, 0, out), entropy)
-    assert float(_soft_loss(logits[:2], hidden, owner, torch.tensor([1, 3]), 0, out)) == 0.0
+    assert torch.allclose(soft_loss(logits, hidden, owner, rows, 0, out), entropy)
+    assert float(soft_loss(logits[:2], hidden, owner, torch.tensor([1, 3]), 0, out)) == 0.0
     with pytest.raises(SelfSpecError, match="cannot start from heads of two"):
-        _initial_heads(random_heads(16, 2, 32).two_layers(), 2, 16, "cpu", layers=1)
+        initial_heads(random_heads(16, 2, 32).two_layers(), 2, 16, "cpu", layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,7 @@ def peaked_tiny(tiny_llama, sharpened_head):
         yield tiny_llama
 
 
+@pytest.mark.slow  # thousands of seeded generations
 def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
     """Head drafts (here random heads over part of the vocabulary, so q differs from p) leave the
     target's distribution; a broken acceptance rule is caught by the same test."""
@@ -215,9 +216,9 @@ def test_head_drafts_believed_unprofitable_are_tried_one_guess_at_a_time(smollm2
 
 @pytest.mark.slow
 def test_head_drafts_on_the_fixed_shape_runner_cuda_uses(smollm2_packed, trained):
-    """selfspec/static.py's runner (CUDA's), here on the CPU: it keeps each pass's final hidden
-    states too, so head drafts run on it, and the output stays plain decoding's."""
-    from selfspec.static import StaticRunner
+    """selfspec/runtime/cuda_graphs.py's runner (CUDA's), here on the CPU: it keeps each pass's
+    final hidden states too, so head drafts run on it, and the output stays plain decoding's."""
+    from selfspec.runtime.cuda_graphs import StaticRunner
 
     engine, runner = smollm2_packed, smollm2_packed.runner
     engine.runner = StaticRunner(engine.loaded, graphs=False)
@@ -239,7 +240,7 @@ def test_head_products_in_8_bits_stay_close_to_float32():
     (Q8_0's rounding): its output stays within that rounding of float32's, whichever arithmetic
     the timing picks."""
     from selfspec.kernels import load_kernel
-    from selfspec.quantized import Q8Linear
+    from selfspec.speed.quantized import Q8Linear
 
     heads = random_heads(64, 2, 40)
     kernel = load_kernel()  # the kernel's modes are what selfspec runs on CPUs (tested there)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec import fetch, modelcache
 from selfspec.errors import SelfSpecError
-from selfspec.modelfiles import (
+from selfspec.loading import cache as modelcache
+from selfspec.loading import fetch
+from selfspec.loading.sources import (
     KNOWN_MODELS,
     ModelSpec,
     ensure_bundled,

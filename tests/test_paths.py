@@ -3,7 +3,7 @@
 import pytest
 
 from selfspec.paths import default_plan_candidates, find_default_plan, packaged_plan, user_plan_path
-from selfspec.plan import load_plan
+from selfspec.runtime.plan import load_plan
 
 
 @pytest.fixture

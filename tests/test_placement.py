@@ -1,5 +1,5 @@
-"""A model spread over devices with accelerate (selfspec.placement): forced here on the CPU by a
-max_memory smaller than the model, so part of it is offloaded to disk; self-speculation must
+"""A model spread over devices with accelerate (selfspec.loading.placement): forced here on the CPU
+by a max_memory smaller than the model, so part of it is offloaded to disk; self-speculation must
 still give plain decoding's tokens."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from selfspec.errors import SelfSpecError
-from selfspec.placement import DISK, parse_max_memory
+from selfspec.loading.placement import DISK, parse_max_memory
 
 PROMPT = "def fibonacci(n):"
 
@@ -66,6 +66,7 @@ def test_split_model_speculates_losslessly(split_engine, smollm2):
     assert adaptive.token_ids == expected
 
 
+@pytest.mark.slow
 def test_kernel_modes_refuse_a_split():
     from selfspec.engine import Engine
 

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from selfspec.errors import SelfSpecError
-from selfspec.plan import DraftPolicy, ModelIdentity, build_plan, load_plan, parse_layer_list
+from selfspec.runtime.plan import (
+    DraftPolicy,
+    ModelIdentity,
+    build_plan,
+    load_plan,
+    parse_layer_list,
+)
 
 ID = ModelIdentity(name="m", architecture="qwen2", num_layers=4, fingerprint="abcd")
 

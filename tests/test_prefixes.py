@@ -1,13 +1,13 @@
-"""The prefix cache's bookkeeping (selfspec.prefixes) on plain caches: which prefix it restores,
-what it copies, what it drops. That a restored prefix decodes to the tokens a fresh prefill gives
-is tested with real models in tests/test_batch.py and tests/test_server.py."""
+"""The prefix cache's bookkeeping (selfspec.runtime.prefixes) on plain caches: which prefix it
+restores, what it copies, what it drops. That a restored prefix decodes to the tokens a fresh
+prefill gives is tested with real models in tests/test_batch.py and tests/test_server.py."""
 
 from __future__ import annotations
 
 import torch
 
-from selfspec.prefixes import PrefixStore
-from selfspec.runner import KVCache
+from selfspec.runtime.prefixes import PrefixStore
+from selfspec.runtime.runner import KVCache
 
 LAYERS, HEADS, DIM = 3, 2, 4
 PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4  # keys and values, float32

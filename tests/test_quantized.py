@@ -9,10 +9,11 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from test_engine import PROMPTS, plans_for
 
-from selfspec import gguffile, quantized
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, kernel_available, load_kernel, pack_weight
-from selfspec.plan import DraftPolicy
+from selfspec.loading import gguf_reader
+from selfspec.runtime.plan import DraftPolicy
+from selfspec.speed import quantized
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the CPU kernel cannot be built here"
@@ -175,7 +176,7 @@ def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode():
 
 
 def test_q8_mode_needs_vnni(monkeypatch):
-    from selfspec import speed
+    from selfspec.speed import modes as speed
 
     class NoVnni:
         @staticmethod
@@ -198,10 +199,10 @@ def test_unsupported_quantization_type_is_a_clear_error():
 def test_tensor_index_agrees_with_gguf_reader(smollm2):
     from gguf import GGUFReader
 
-    from selfspec.modelfiles import gguf_source
+    from selfspec.loading.sources import gguf_source
 
     path = gguf_source("smollm2-135m", smollm2.loaded.path)
-    ours = gguffile.gguf_tensors(path)
+    ours = gguf_reader.gguf_tensors(path)
     theirs = GGUFReader(str(path)).tensors
     assert len(ours) == len(theirs)
     for tensor in theirs:
@@ -214,7 +215,7 @@ def test_tensor_index_agrees_with_gguf_reader(smollm2):
 
 @pytest.mark.slow
 def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
-    from selfspec.modelfiles import cached_model_dir, gguf_source
+    from selfspec.loading.sources import cached_model_dir, gguf_source
 
     source = cached_model_dir("smollm2-135m") / "model.gguf"
     if not source.is_file():
@@ -222,7 +223,7 @@ def test_damaged_or_foreign_gguf_file_is_a_clear_error(tmp_path, tiny_llama):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
     with pytest.raises(SelfSpecError, match="cannot read .*cut.gguf as a GGUF file"):
-        gguffile.gguf_tensors(cut)
+        gguf_reader.gguf_tensors(cut)
     # smollm2's file onto another llama: refused before anything is swapped
     model = tiny_llama.loaded.model
     before = [type(m) for m in model.modules()]
@@ -271,7 +272,7 @@ def test_gguf_mode_holds_every_weight_exactly(qwen05, qwen05_gguf):
 def test_gguf_mode_gives_packed_logits_bit_for_bit(qwen05_packed):
     """Module by module (transformers' skeleton, unfused): the quantized linear layers compute
     what the float32 panels compute, to the bit."""
-    from selfspec.models import load_model
+    from selfspec.loading.models import load_model
 
     gguf = load_model("qwen2.5-coder-0.5b", speed="gguf", fused=False)
     long_prompt = " ".join(PROMPTS) * 3  # past KERNEL_MAX_ROWS tokens: the prefill path too
@@ -339,7 +340,7 @@ def test_gguf_modes_have_their_own_default_plans():
     """Their costs differ from packed's, so each was searched separately; other modes keep
     theirs."""
     from selfspec.paths import packaged_plan
-    from selfspec.plan import load_plan
+    from selfspec.runtime.plan import load_plan
 
     for mode in ("gguf", "gguf-q8"):
         plan = packaged_plan("qwen2.5-coder-1.5b", mode)
@@ -354,8 +355,8 @@ def test_draft_vocab_of_given_ids_reads_only_their_rows_with_the_full_head_s_bit
     """A draft vocabulary of given ids (the most frequent, scattered over the vocabulary), plus
     the context's: every id gets the full head's logits (bit for bit in the kernel's modes), from
     a head holding only those rows, and ``id_at`` / ``spread`` put them back where they belong."""
-    from selfspec.drafthead import DraftVocab
     from selfspec.kernels import PANEL, load_kernel
+    from selfspec.runtime.draft_vocab import DraftVocab
 
     fixture = {"torch": "qwen05", "packed": "qwen05_packed", "gguf": "qwen05_gguf"}
     engine = request.getfixturevalue(fixture.get(mode, "qwen05_q8"))
@@ -386,7 +387,7 @@ def test_draft_head_scores_context_ids_with_the_full_head_s_bits(mode, request):
     """A draft head over the first ids plus the ids the context used (and the stop tokens): those
     ids get the full head's logits (bit for bit in the kernel's modes), every other id -inf; a
     draft can then propose them, and decoding stays identical to plain decoding."""
-    from selfspec.drafthead import DraftVocab
+    from selfspec.runtime.draft_vocab import DraftVocab
 
     fixture = {"torch": "qwen05", "packed": "qwen05_packed", "gguf": "qwen05_gguf"}
     engine = request.getfixturevalue(fixture.get(mode, "qwen05_q8"))

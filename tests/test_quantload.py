@@ -1,5 +1,5 @@
-"""Loading straight into the quantized modes (selfspec.quantload): the model built from the GGUF
-file alone holds exactly what the float32 model put into that mode holds, its panels are built
+"""Loading straight into the quantized modes (selfspec.loading.gguf_load): the model built from the
+GGUF file alone holds exactly what the float32 model put into that mode holds, its panels are built
 once and mapped afterwards, damage is rebuilt, and no float32 copy is made until a float32 mode
 asks for one."""
 
@@ -8,17 +8,19 @@ import shutil
 import pytest
 import torch
 
-from selfspec import modelcache, quantized, quantload
 from selfspec.kernels import kernel_available
-from selfspec.modelfiles import (
+from selfspec.loading import cache as modelcache
+from selfspec.loading import gguf_load
+from selfspec.loading.models import load_model
+from selfspec.loading.sources import (
     FLOAT32_FOLDER,
     ensure_bundled,
     ensure_local_gguf,
     gguf_source,
     has_weights,
 )
-from selfspec.models import load_model
-from selfspec.speed import apply_speed_mode
+from selfspec.speed import quantized
+from selfspec.speed.modes import apply_speed_mode
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,7 +49,7 @@ def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
     for param_name, value in direct.model.named_parameters():
         assert torch.equal(value, reference[param_name]), param_name
     embedding = direct.model.get_input_embeddings()
-    assert isinstance(embedding, quantload.QuantEmbedding)
+    assert isinstance(embedding, gguf_load.QuantEmbedding)
     every_id = torch.arange(embedding.num_embeddings)
     weight = smollm2.loaded.model.get_input_embeddings().weight
     assert torch.equal(embedding(every_id), weight)
@@ -60,7 +62,7 @@ def test_direct_load_equals_the_float32_model_put_into_the_mode(smollm2, mode):
         rows = embedding(torch.tensor(ids))
         assert torch.equal(rows, weight[ids])
         rows.zero_()
-        assert len(embedding._kept) <= embedding.KEPT_ROWS
+        assert len(embedding.kept_rows) <= embedding.KEPT_ROWS
     assert torch.equal(embedding(torch.tensor([5, 9])), weight[[5, 9]])
 
 
@@ -122,7 +124,7 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
     gguf, entry = local_cache
     assert not has_weights(entry) and (entry / "config.json").is_file()
     first = load_model(str(gguf), speed="gguf-q8", fused=False)
-    panels = entry / f"panels-gguf-q8-v{quantload.layout_version('gguf-q8')}"
+    panels = entry / f"panels-gguf-q8-v{gguf_load.layout_version('gguf-q8')}"
     assert modelcache.entry_damage(panels, full=True) is None
     assert not (entry / FLOAT32_FOLDER).exists()  # a quantized mode made no float32 copy
 
@@ -130,14 +132,14 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
         raise AssertionError("the panels were built again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(quantload, "_build_panels", no_build)
+        patch.setattr(gguf_load, "build_panels", no_build)
         second = load_model(str(gguf), speed="gguf-q8", fused=False)
     tokenizer = first.tokenizer
     expected = _logits(first.model, tokenizer)
     assert torch.equal(_logits(second.model, tokenizer), expected)
 
     # same size, other bytes (seen by the models above too: their pages map the file)
-    with open(panels / quantload.PANELS_FILE, "r+b") as fh:
+    with open(panels / gguf_load.PANELS_FILE, "r+b") as fh:
         fh.seek(4096)
         fh.write(b"\x55" * 4096)
     third = load_model(str(gguf), speed="gguf-q8", fused=False)

@@ -7,9 +7,9 @@ tests can fail.
 import pytest
 import torch
 
-from selfspec import decode
-from selfspec.drafthead import DraftVocab
-from selfspec.sampling import Sampling, accept_sampled, sample
+from selfspec.runtime import decode
+from selfspec.runtime.draft_vocab import DraftVocab
+from selfspec.runtime.sampling import Sampling, accept_sampled, sample
 
 SIGNIFICANCE = 1e-3
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from selfspec.errors import SelfSpecError
-from selfspec.search import search_plan
-from selfspec.search.costs import CostModel, non_decreasing
+from selfspec.search import SearchConfig, search_plan
+from selfspec.search.cost_model import CostModel, non_decreasing
 from selfspec.search.simulate import SimResult, simulate
 from selfspec.search.space import params_for, plan_args
 from selfspec.search.storage import redact
@@ -185,9 +185,8 @@ def test_bad_storage_url_is_a_clear_error(url, message, tmp_path, capsys):
 
 def test_bad_storage_url_from_the_api(tiny_llama, tmp_path):
     with pytest.raises(SelfSpecError, match="cannot open Optuna storage 'bogus://x'"):
-        search_plan(
-            tiny_llama, ["t1 t2 t3"], storage="bogus://x", out=tmp_path / "plan.json", log=None
-        )
+        config = SearchConfig(["t1 t2 t3"], storage="bogus://x", out=tmp_path / "plan.json")
+        search_plan(tiny_llama, config, log=None)
 
 
 def test_empty_prompts_file(tmp_path, capsys):
@@ -230,13 +229,13 @@ TINY_PROMPTS = [
 ]
 
 
-def tiny_search(engine, tmp_path, **kwargs):
+def tiny_search(engine, tmp_path, callbacks=(), **kwargs):
     kwargs.setdefault("tokens", 12)
     kwargs.setdefault("confirm", 0)
     kwargs.setdefault("cost_repeats", 1)
-    kwargs.setdefault("log", None)
     kwargs.setdefault("progress", False)
-    return search_plan(engine, TINY_PROMPTS, out=tmp_path / "plan.json", **kwargs)
+    config = SearchConfig(TINY_PROMPTS, out=tmp_path / "plan.json", **kwargs)
+    return search_plan(engine, config, callbacks=callbacks, log=None)
 
 
 def study_trials(tmp_path, name):
@@ -269,7 +268,7 @@ def test_other_settings_in_the_same_study_are_refused(tiny_llama, tmp_path):
 
 
 def test_ctrl_c_stops_cleanly_and_writes_the_best_plan(tiny_llama, tmp_path):
-    from selfspec.plan import load_plan
+    from selfspec.runtime.plan import load_plan
 
     def interrupt(study, trial):
         if trial.number == 1:
@@ -283,7 +282,7 @@ def test_ctrl_c_stops_cleanly_and_writes_the_best_plan(tiny_llama, tmp_path):
 
 
 def test_out_holding_another_models_plan_is_refused(tiny_llama, tmp_path):
-    from selfspec.plan import ModelIdentity, build_plan
+    from selfspec.runtime.plan import ModelIdentity, build_plan
 
     other = build_plan(ModelIdentity("other", "llama", 4, "0" * 16), [1], [])
     other.save(tmp_path / "plan.json")
@@ -308,8 +307,8 @@ def test_current_plan_is_a_warm_start(tiny_llama, tmp_path):
 def test_speed_model_replays_the_decode_loop_exactly(smollm2):
     """Skipping only the last layer leaves every cached key/value exact, so the teacher-forced draft
     is the real draft and the replay must match real decoding round for round."""
-    from selfspec.plan import DraftPolicy
     from selfspec.prompts import load_prompts
+    from selfspec.runtime.plan import DraftPolicy
     from selfspec.search.calibration import CalibrationItem
     from selfspec.search.speedmodel import SpeedModel
 
@@ -361,12 +360,11 @@ def test_speed_model_replays_the_decode_loop_exactly(smollm2):
 
 @pytest.mark.slow
 def test_short_search_writes_a_valid_lossless_plan(smollm2, tmp_path):
-    from selfspec.plan import load_plan
     from selfspec.prompts import load_prompts
+    from selfspec.runtime.plan import load_plan
 
     out = tmp_path / "smol" / "plan.json"
-    result = search_plan(
-        smollm2,
+    config = SearchConfig(
         "spec-bench:coding",
         limit=1,
         trials=4,
@@ -375,10 +373,10 @@ def test_short_search_writes_a_valid_lossless_plan(smollm2, tmp_path):
         confirm=1,
         cost_repeats=2,
         seed=1,
-        log=None,
         progress=False,
         how="pytest",
     )
+    result = search_plan(smollm2, config, log=None)
     assert result.plan_path == out and result.trials == 4
     plan = load_plan(out)
     assert plan.to_dict() == result.plan.to_dict()

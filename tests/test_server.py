@@ -127,7 +127,7 @@ def test_text_completion_and_usage(server):
     assert reply.choices[0].text == expected
     from transformers import AutoTokenizer
 
-    from selfspec.modelfiles import ensure_bundled
+    from selfspec.loading.sources import ensure_bundled
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_bundled(MODEL))
     assert reply.usage.prompt_tokens == len(tokenizer("def fibonacci(n):")["input_ids"])
@@ -396,8 +396,9 @@ def test_the_turns_bench_finds_the_first_turn_in_the_prefix_cache():
 
 
 def test_the_closed_loop_bench_decodes_every_request_in_full():
-    """`python -m selfspec.bench.closedloop`: the serving workload through selfspec.batch in one
-    process; every request's tokens counted, the chat template's opening from the prefix cache."""
+    """`python -m selfspec.bench.closedloop`: the serving workload through selfspec.runtime.batch
+    in one process; every request's tokens counted, the chat template's opening from the prefix
+    cache."""
     result = _bench(
         "closedloop", "--streams", "2", "--prompts-per-stream", "2", "--max-tokens", "12"
     )

@@ -10,11 +10,11 @@ import torch
 from test_engine import PROMPTS
 
 from selfspec.kernels import kernel_available
-from selfspec.modelfiles import KNOWN_MODELS, ensure_bundled
-from selfspec.models import _load_weights
-from selfspec.runner import ModelRunner
-from selfspec.skeleton import CausalLM
-from selfspec.tokenizer import FastTokenizer, load_tokenizer_from
+from selfspec.loading.models import load_weights
+from selfspec.loading.skeleton import CausalLM
+from selfspec.loading.sources import KNOWN_MODELS, ensure_bundled
+from selfspec.loading.tokenizer import FastTokenizer, load_tokenizer_from
+from selfspec.runtime.runner import ModelRunner
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built")
 TEXTS = [
@@ -35,6 +35,7 @@ CHATS = [
 ]
 
 
+@pytest.mark.slow  # each bundled model is downloaded on first use
 @pytest.mark.parametrize("name", sorted(KNOWN_MODELS))
 def test_the_tokenizer_reads_as_transformers_reads(name):
     from transformers import AutoTokenizer
@@ -78,7 +79,7 @@ def test_own_skeleton_computes_transformers_skeleton_s_logits_bit_for_bit(name):
     folder = ensure_bundled(name)
     loads = {}
     for own in (True, False):
-        model, layers = _load_weights(name, folder, "cpu", torch.float32, "gguf-q8", True, own)
+        model, layers = load_weights(name, folder, "cpu", torch.float32, "gguf-q8", True, own)
         assert isinstance(model, CausalLM) == own and layers is not None
         loads[own] = (model, layers)
     ours, theirs = (dict(loads[own][0].named_parameters()) for own in (True, False))
@@ -100,7 +101,7 @@ def test_own_skeleton_computes_transformers_skeleton_s_logits_bit_for_bit(name):
 
 
 def _loaded(name, folder, tokenizer, model, layers):
-    from selfspec.models import LoadedModel
+    from selfspec.loading.models import LoadedModel
 
     return LoadedModel(name, model, tokenizer, str(folder), speed="gguf-q8", fused=layers)
 
@@ -126,18 +127,20 @@ def test_a_quantized_start_imports_no_transformers():
     assert tokens == 8 and imported == []
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_own_skeleton_is_not_run_module_by_module():
     folder = ensure_bundled("smollm2-135m")
-    model, _ = _load_weights("smollm2-135m", folder, "cpu", torch.float32, "gguf-q8", True, True)
+    model, _ = load_weights("smollm2-135m", folder, "cpu", torch.float32, "gguf-q8", True, True)
     with pytest.raises(NotImplementedError, match="ModelRunner"):
         model(torch.tensor([[1, 2, 3]]))
 
 
+@pytest.mark.slow  # reads the bundled model's config
 def test_only_configs_the_skeleton_computes_exactly_are_taken():
     """Another rotary kind, a sliding window, another family or a missing field: transformers'
     model class is used instead."""
-    from selfspec.skeleton import ModelConfig, supports
+    from selfspec.loading.skeleton import ModelConfig, supports
 
     base = json.loads((ensure_bundled("qwen2.5-coder-0.5b") / "config.json").read_text())
     assert supports(ModelConfig(base))

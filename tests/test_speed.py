@@ -8,7 +8,7 @@ from test_engine import PROMPTS, hf_greedy, plans_for
 
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, kernel_available, load_kernel, pack_weight
-from selfspec.speed import PackedLinear, resolve_speed_mode
+from selfspec.speed.modes import PackedLinear, resolve_speed_mode
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the packed CPU kernel cannot be built here"
@@ -67,7 +67,7 @@ def test_unknown_or_impossible_speed_mode_is_a_clear_error():
 
 
 def test_stats_name_the_numerics_of_cuda_and_precision_modes():
-    from selfspec.speed import numerics_note
+    from selfspec.speed.modes import numerics_note
 
     assert numerics_note("packed", "cpu") is None and numerics_note("torch", "cpu") is None
     assert "static cache" in numerics_note("torch", "cuda") and "static cache" in numerics_note(
@@ -113,13 +113,13 @@ def test_packed_mode_speculation_is_lossless(model_fixture, request):
 @pytest.mark.slow
 def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
     from selfspec.bench import Method, run_bench
-    from selfspec.bench.methods import _hf_generate
+    from selfspec.bench.methods import run_hf_generate
 
     seen = []
 
     def hf_checked(ctx, prompt_ids):
         seen.append(any(isinstance(m, PackedLinear) for m in ctx.hf_target.model.modules()))
-        return _hf_generate(ctx, prompt_ids)
+        return run_hf_generate(ctx, prompt_ids)
 
     result = run_bench(
         smollm2_packed,
@@ -215,8 +215,8 @@ def test_a_verify_pass_gives_each_row_the_bits_of_one_token_passes(qwen05_packed
 def test_auto_picks_the_fastest_mode_this_machine_runs(monkeypatch):
     """A GGUF model: gguf-q8 with AVX-512 VNNI, else gguf (the same weights, float32 arithmetic);
     another model: packed; no kernel: transformers' own (torch)."""
-    from selfspec import speed
     from selfspec.errors import SelfSpecError
+    from selfspec.speed import modes as speed
 
     class Kernel:
         vnni = True

@@ -1,4 +1,4 @@
-"""Fixed-shape passes over a static cache (selfspec.static): the runner on CUDA.
+"""Fixed-shape passes over a static cache (selfspec.runtime.cuda_graphs): the runner on CUDA.
 
 On the CPU the same runner runs without graphs over the packed kernel, whose rows do not
 depend on each other, so it must give the ordinary runner's logits bit for bit: that checks
@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from selfspec.decode import generate_ids
-from selfspec.runner import ModelRunner
-from selfspec.static import PASS_ROWS, StaticRunner
+from selfspec.runtime.cuda_graphs import PASS_ROWS, StaticRunner
+from selfspec.runtime.decode import generate_ids
+from selfspec.runtime.runner import ModelRunner
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -52,7 +52,7 @@ def test_static_passes_give_the_runners_logits_bit_for_bit(smollm2_packed):
 
 
 def _resume(hidden):
-    from selfspec.runner import Resume
+    from selfspec.runtime.runner import Resume
 
     return Resume(6, hidden)
 
@@ -91,8 +91,8 @@ def _random_engine(
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from selfspec.engine import Engine
-    from selfspec.models import LoadedModel
-    from selfspec.speed import apply_speed_mode
+    from selfspec.loading.models import LoadedModel
+    from selfspec.speed.modes import apply_speed_mode
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -179,7 +179,7 @@ def test_cuda_speculation_is_identical_to_plain_decoding(random_cuda):
 
 @cuda
 def test_cuda_dual_model_drafting_and_sampling(random_cuda):
-    from selfspec.sampling import Sampling
+    from selfspec.runtime.sampling import Sampling
 
     engine = random_cuda
     drafter = engine.model_drafter(_random_engine(layers=2))  # catches up in 16-row passes

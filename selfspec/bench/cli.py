@@ -19,7 +19,7 @@ from selfspec.cliargs import (
     resolve_plan,
 )
 from selfspec.errors import SelfSpecError
-from selfspec.modelfiles import DEFAULT_DRAFT_MODEL
+from selfspec.loading.sources import DEFAULT_DRAFT_MODEL
 
 DESCRIPTION = selfspec.bench.__doc__  # what `selfspec bench --help` says about the bench
 

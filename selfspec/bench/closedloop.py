@@ -1,6 +1,6 @@
 """The serving bench's concurrent workload without the server: ``--streams`` closed-loop streams
-of Spec-Bench chat requests decoded together through ``selfspec.batch`` in this process, as the
-server's scheduler decodes them, minus HTTP and the solo path (every pass is a batch pass, even
+of Spec-Bench chat requests decoded together through ``selfspec.runtime.batch`` in this process, as
+the server's scheduler decodes them, minus HTTP and the solo path (every pass is a batch pass, even
 when one request is left). Steadier than the server bench for comparing two versions of the
 batch code, one run after the other.
 
@@ -28,7 +28,7 @@ def run_streams(engine, prompt_ids: list[list[int]], streams: int, tokens: int, 
     import torch
 
     from selfspec.drafters.batched import BatchDrafter
-    from selfspec.prefixes import PrefixStore
+    from selfspec.runtime.prefixes import PrefixStore
 
     drafter = engine.self_drafter(None, layer_skip=False)
     batch_drafter = BatchDrafter.following(drafter)
@@ -45,7 +45,7 @@ def run_streams(engine, prompt_ids: list[list[int]], streams: int, tokens: int, 
 
 def _loops(engine, prompt_ids, queues, config, batch_drafter, store) -> dict[str, int]:
     """Loop s sends the requests ``queues[s]`` one after another; one batch pass a step."""
-    from selfspec.batch import admit_sequence, step
+    from selfspec.runtime.batch import admit_sequence, step
 
     counts = dict(tokens=0, passes=0, rows=0, prompt_tokens=0, prompt_tokens_cached=0)
     active: list = []  # (loop, sequence)

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from selfspec.decode import DecodeStats
     from selfspec.drafters import Drafter
     from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
-    from selfspec.models import LoadedModel
-    from selfspec.plan import SkipPlan
+    from selfspec.loading.models import LoadedModel
+    from selfspec.runtime.decode import DecodeStats
+    from selfspec.runtime.plan import SkipPlan
 
 BASELINE = "hf_generate"  # every speedup and identity check refers to it
 PROMPT_LOOKUP_TOKENS = 10
@@ -95,7 +95,7 @@ class _FirstTokenClock:
         pass
 
 
-def _hf_generate(ctx: BenchContext, prompt_ids: list[int], **extra) -> MethodRun:
+def run_hf_generate(ctx: BenchContext, prompt_ids: list[int], **extra) -> MethodRun:
     import torch
     from transformers import GenerationConfig
 
@@ -140,15 +140,15 @@ def _cut_at_eos(tokens: list[int], eos_ids) -> list[int]:
 
 
 def _run_hf_generate(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _hf_generate(ctx, prompt_ids)
+    return run_hf_generate(ctx, prompt_ids)
 
 
 def _run_hf_assisted(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _hf_generate(ctx, prompt_ids, assistant_model=ctx.hf_draft.model)
+    return run_hf_generate(ctx, prompt_ids, assistant_model=ctx.hf_draft.model)
 
 
 def _run_prompt_lookup(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
-    return _hf_generate(ctx, prompt_ids, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+    return run_hf_generate(ctx, prompt_ids, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
 
 
 def _engine_run(ctx: BenchContext, prompt_ids: list[int], drafter: Drafter | None) -> MethodRun:
@@ -199,7 +199,7 @@ def _setup_dual_model(ctx: BenchContext) -> None:
 
 def gguf_path_for(model_name: str) -> Path | None:
     """The bundled model's .gguf, kept in its cache folder (fetched again if it predates that)."""
-    from selfspec.modelfiles import KNOWN_MODELS, ensure_bundled, gguf_source
+    from selfspec.loading.sources import KNOWN_MODELS, ensure_bundled, gguf_source
 
     if model_name not in KNOWN_MODELS:
         return None
@@ -249,7 +249,7 @@ LLAMA_CPP_WITHOUT_AMX = (
 )
 
 # What llama_cpp_failure runs in a child: the bench's own first steps, on a short prompt.
-_LLAMA_CPP_PROBE = """import sys, llama_cpp
+LLAMA_CPP_PROBE = """import sys, llama_cpp
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=256, verbose=False)
 llm.eval(llm.tokenize(b"def fibonacci(n):\\n    return n" * 6))
 """
@@ -262,7 +262,7 @@ def llama_cpp_failure(model_name: str, threads: int) -> str | None:
     there (built with AMX tiles, on VMs where their tile code faults), and such a death inside the
     bench would take every other method's results with it."""
     path = gguf_path_for(model_name)
-    failure = child_failure([sys.executable, "-c", _LLAMA_CPP_PROBE, str(path), str(threads)])
+    failure = child_failure([sys.executable, "-c", LLAMA_CPP_PROBE, str(path), str(threads)])
     if failure and failure.startswith(DIED_OF):  # the advice fits a crash, not a missing file
         failure += (
             "; builds of llama-cpp-python that use AMX tiles do that on some VMs: reinstall it "

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from selfspec.bench.methods import BASELINE
+from selfspec.figures import figure_png, pyplot
 from selfspec.fileio import atomic_write_bytes
-from selfspec.reporting import figure_png, pyplot
 
 
 def _fmt(value, kind: str = "") -> str:
@@ -54,7 +54,7 @@ def _expected_difference(result: dict):
     """A precision mode (gguf-q8), or bfloat16 on CUDA, changes selfspec's numerics: its methods
     differing from the float32 baseline is expected, not a speculation error (that is the
     same-mode check)."""
-    from selfspec.speed import NUMERICS
+    from selfspec.speed.modes import NUMERICS
 
     c = result["config"]
     own_numerics = bool(c.get("numerics") or c.get("speed_mode") in NUMERICS)  # older files: no key
@@ -142,7 +142,7 @@ def _acceptance_table(result: dict) -> list[str]:
     return lines
 
 
-def _verify_table(result: dict) -> list[str]:
+def verify_table(result: dict) -> list[str]:
     """Median verify pass by rows, per method, with (where plain decoding ran) its median multiple
     of plain decoding's one-row pass on the same prompt: what drafting cost in this run."""
     methods = {n: r for n, r in result["methods"].items() if r.get("verify_ms_by_rows")}
@@ -214,7 +214,7 @@ def format_markdown(result: dict) -> str:
             "Decoding-phase speedup vs autoregressive by category (median over that category's "
             "prompts of the per-prompt ratios of decode tok/s):",
         )
-    lines += _acceptance_table(result) + _verify_table(result) + _identity_notes(result)
+    lines += _acceptance_table(result) + verify_table(result) + _identity_notes(result)
     lines += ["", f"Memory: {result['config']['memory_method']}"]
     if result.get("notes"):
         lines += ["", "Notes:"] + [f"- {note}" for note in result["notes"]]

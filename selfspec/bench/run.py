@@ -27,14 +27,14 @@ from selfspec.bench.methods import (
 )
 from selfspec.bench.summary import summarize
 from selfspec.errors import SelfSpecError
-from selfspec.modelfiles import KNOWN_MODELS
-from selfspec.models import LoadedModel
+from selfspec.loading.models import LoadedModel
+from selfspec.loading.sources import KNOWN_MODELS
 from selfspec.prompts import Prompt
 
 if TYPE_CHECKING:
     from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
-    from selfspec.plan import SkipPlan
+    from selfspec.runtime.plan import SkipPlan
 
 PHASES = ("target", "draft", "gguf")
 
@@ -194,7 +194,7 @@ def _choose(
 
 def _numerics(engine: Engine, notes: list[str]) -> str | None:
     """How selfspec's speed mode changes the numerics, if it does (said in a note too)."""
-    from selfspec.speed import numerics_note
+    from selfspec.speed.modes import numerics_note
 
     numerics = numerics_note(engine.loaded.speed, engine.loaded.device.type)
     if numerics:
@@ -208,7 +208,7 @@ def _numerics(engine: Engine, notes: list[str]) -> str | None:
 
 def _check_draft_early(engine: Engine, setup: _Setup) -> None:
     """A draft model with another tokenizer fails now, not after the target-only methods ran."""
-    from selfspec.models import check_same_tokenizer, load_tokenizer
+    from selfspec.loading.models import check_same_tokenizer, load_tokenizer
 
     name = setup.draft_name
     if setup.needs("draft") and isinstance(setup.draft, str) and name != engine.loaded.name:
@@ -219,7 +219,7 @@ def _encode(
     engine: Engine, prompts: list[Prompt], chat: bool, max_new_tokens: int
 ) -> list[list[int]]:
     """The prompts' token ids, each checked to leave room for ``max_new_tokens`` more."""
-    from selfspec.decode import check_context
+    from selfspec.runtime.decode import check_context
 
     encoded = [engine.encode(p.text, chat=chat) for p in prompts]
     lengths = {f"prompt {p.id}": len(ids) for p, ids in zip(prompts, encoded)}
@@ -228,7 +228,7 @@ def _encode(
 
 
 def _load_draft(ctx: BenchContext, setup: _Setup, bar) -> LoadedModel:
-    from selfspec.models import check_same_tokenizer, load_model
+    from selfspec.loading.models import check_same_tokenizer, load_model
 
     engine, name = ctx.engine, setup.draft_name
     if isinstance(setup.draft, LoadedModel):
@@ -245,7 +245,7 @@ def _load_draft(ctx: BenchContext, setup: _Setup, bar) -> LoadedModel:
 
 def _transformers_copies(ctx: BenchContext, phase: str, bar) -> None:
     """Load the unmodified models transformers' own methods need, when first needed."""
-    from selfspec.models import unmodified
+    from selfspec.loading.models import unmodified
 
     engine = ctx.engine
     if phase == "target" and ctx.hf_target is None:

@@ -14,8 +14,8 @@ from selfspec.bench.methods import BASELINE
 
 if TYPE_CHECKING:
     from selfspec.bench.methods import Method, MethodRun
-    from selfspec.decode import DecodeStats
     from selfspec.prompts import Prompt
+    from selfspec.runtime.decode import DecodeStats
 
 REFERENCES = (BASELINE, "autoregressive")
 

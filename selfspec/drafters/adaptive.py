@@ -21,8 +21,8 @@ from selfspec.drafters.base import (
     RoundOutcome,
     point_masses,
 )
-from selfspec.drafters.costs import PassCosts, RecentMedian
 from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
+from selfspec.drafters.pass_costs import PassCosts, RecentMedian
 
 if TYPE_CHECKING:
     from selfspec.drafters.heads import HeadDrafter
@@ -160,7 +160,7 @@ class AdaptiveDrafter(Drafter):
         self.heads = heads
         self.head_acceptance = None
         if heads is not None:
-            self.head_acceptance = Acceptance(len(heads.heads), _head_prior(heads.heads.info))
+            self.head_acceptance = Acceptance(len(heads.heads), head_prior(heads.heads.info))
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.head_calibration = Calibration()  # head drafts' kept tokens / their chances' sum
         self.planned = planned
@@ -357,7 +357,7 @@ class AdaptiveDrafter(Drafter):
         return {**defaults, "max_draft_tokens": self.max_tokens}
 
 
-def _head_prior(info: dict) -> list[float] | None:
+def head_prior(info: dict) -> list[float] | None:
     """P(head j's guess kept | the ones before it were), from the held-out figures the heads were
     trained with (the share of held-out positions where heads 1..j all guess right), or None."""
     top1 = info.get("heldout_top1_by_head")

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.adaptation import AdaptiveThreshold, SpeedGuard
-from selfspec.sampling import argmax_rows
+from selfspec.drafters.adaptation import AdaptiveThreshold, SpeedGuard
+from selfspec.runtime.sampling import argmax_rows
 
 if TYPE_CHECKING:
-    from selfspec.runner import Resume
-    from selfspec.sampling import Sampling
+    from selfspec.runtime.runner import Resume
+    from selfspec.runtime.sampling import Sampling
 
 
 @dataclass

@@ -29,7 +29,7 @@ from selfspec.drafters.adaptive import (
     most_tokens_per_second,
 )
 from selfspec.drafters.base import RoundOutcome
-from selfspec.drafters.costs import PassCosts, RowCostFit
+from selfspec.drafters.pass_costs import PassCosts, RowCostFit
 
 if TYPE_CHECKING:
     from selfspec.drafters.base import Drafter

@@ -7,7 +7,7 @@ in Medusa; fed the token, as in EAGLE and Hydra, which is what makes the first g
 draft of k tokens costs k heads' small products and k output-head passes over the draft's ids: a
 few percent of a target step each, where a layer-skip draft step costs most of one. The heads are
 the only weights here that the target lacks; they are trained on the target's own answers
-(``selfspec.headtrain``), never on the prompts bench measures.
+(``selfspec.training.heads``), never on the prompts bench measures.
 
     s_0 = final_norm(h_i);  y_0 = x
     s_j+1 = s_j + silu(W_j [s_j ; e(y_j)] + b_j);  y_j+1 = argmax output_head(s_j+1) (greedy)
@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
-from selfspec.drafthead import DraftVocab
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
 from selfspec.kernels import PANEL, loaded_kernel
-from selfspec.sampling import argmax_rows
+from selfspec.runtime.draft_vocab import DraftVocab
+from selfspec.runtime.sampling import argmax_rows
 
 if TYPE_CHECKING:
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.runner import ModelRunner
 
 FORMAT = "selfspec-draft-heads/2"
 FORMAT_TWO_LAYERS = "selfspec-draft-heads/3"  # /2's tensors plus head.j.down.weight / .bias
@@ -66,8 +66,8 @@ def head_step(
     """One link of the chain: s + silu(W [s ; e] + b), [..., hidden], with ``product`` computing
     W x + b (training: the float32 weights being learned; drafting: what ``fastest_products``
     chose); heads of two layers apply ``down`` (D y + d) after the activation. ``token`` is
-    ``token_input`` of the token before the guess. Training (``selfspec.headtrain``) and drafting
-    both go through here."""
+    ``token_input`` of the token before the guess. Training (``selfspec.training.heads``) and
+    drafting both go through here."""
     both = torch.cat([state, token.to(state.device, state.dtype)], dim=-1)
     update = F.silu(product(both))
     if down is not None:
@@ -402,7 +402,7 @@ def _fastest_maker(heads: DraftHeads, device: torch.device) -> Callable:
         rows % (PANEL * kernel.panels_per_group()) == 0 and columns % 32 == 0
         for rows, columns in shapes
     ):
-        from selfspec.quantized import Q8Linear
+        from selfspec.speed.quantized import Q8Linear
 
         makers["q8"] = lambda w, b: Q8Linear.from_float(w, b, kernel)
     vector = torch.randn(1, heads.weights[0].shape[1])

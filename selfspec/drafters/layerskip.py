@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, draft_loop
-from selfspec.drafthead import DraftVocab
-from selfspec.runner import Resume
+from selfspec.runtime.draft_vocab import DraftVocab
+from selfspec.runtime.runner import Resume
 
 if TYPE_CHECKING:
-    from selfspec.plan import SkipPlan
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.plan import SkipPlan
+    from selfspec.runtime.runner import ModelRunner
 
 
 class SelfSkipDrafter(Drafter):

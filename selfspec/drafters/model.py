@@ -10,7 +10,7 @@ import torch
 from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, draft_loop
 
 if TYPE_CHECKING:
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.runner import ModelRunner
 
 
 class ModelDrafter(Drafter):

@@ -10,9 +10,10 @@ source, the CPU's flags and the torch version. It provides:
   so that row r of a pass over m rows is bit for bit a pass over that row alone;
 - ``attention_rows``: attention with each query row's arithmetic its own, for the same reason;
 - ``DecoderLayer``: a whole pre-norm decoder sublayer (norm, projections, rotary embedding,
-  attention; or the MLP) in one call, row by row in the same way (``selfspec.fused``).
+  attention; or the MLP) in one call, row by row in the same way (``selfspec.speed.fused``).
 
-The speed modes (``selfspec.speed``, ``selfspec.quantized``) build their modules on these.
+The speed modes (``selfspec.speed.modes``, ``selfspec.speed.quantized``) build their modules on
+these.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ e.g. on each machine
     selfspec search --model qwen2.5-coder-1.5b --trials 200 \\
         --storage postgresql://user:password@db-host/optuna --study qwen15-shared
 
-(or ``--storage journal:///search/study.log``: Optuna's journal file, one machine, no server).
+(or ``--storage journal:///study.log``: Optuna's journal file, one machine, no server).
 Each worker runs trials until the study holds --trials complete ones (counting the others'),
 and the cost model measured by the first worker is stored in the study and reused by all, so
 their scores stay comparable (use machines of one kind). A trial whose worker died is failed
@@ -53,6 +53,7 @@ and queued again (selfspec.search.workers). Passwords are never written into the
 report.
 """
 
+from selfspec.search.config import SearchConfig
 from selfspec.search.study import SearchResult, search_plan
 
-__all__ = ["SearchResult", "search_plan"]
+__all__ = ["SearchConfig", "SearchResult", "search_plan"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
 from selfspec.machine import device_text
-from selfspec.plan import DraftPolicy
+from selfspec.runtime.plan import DraftPolicy
 from selfspec.search.confirm import confirm_plans
 from selfspec.search.report import write_importance_plot, write_report_md
 from selfspec.search.result import SearchResult
@@ -23,7 +24,20 @@ if TYPE_CHECKING:
     import optuna
 
     from selfspec.engine import Engine
-    from selfspec.search.costs import CostModel
+    from selfspec.search.config import SearchConfig
+    from selfspec.search.cost_model import CostModel
+
+
+@dataclass
+class StudyRecord:
+    """What a finished study hands to the choice of its plan: where the plan goes, the settings
+    its provenance records, the costs the trials were scored with, and whether it was cut short."""
+
+    out: Path
+    folder: Path
+    settings: dict
+    costs: CostModel
+    interrupted: bool
 
 
 def finished_counts(study: optuna.Study) -> tuple[int, int]:
@@ -125,16 +139,13 @@ def choose_and_write(
     engine: Engine,
     study,
     items,
-    out: Path,
-    folder: Path,
-    settings: dict,
-    confirm: int,
-    interrupted: bool,
-    costs: CostModel,
+    config: SearchConfig,
+    record: StudyRecord,
     log,
-    write_report: bool,
 ) -> SearchResult:
     """Confirm the best trials, write the fastest as the plan, then the report."""
+    settings = record.settings
+    confirm = 0 if record.interrupted else config.confirm
     L = engine.identity.num_layers
     ranked = ranked_trials(study, L)
     if not ranked:
@@ -161,19 +172,19 @@ def choose_and_write(
             items,
             candidates,
             make_plan,
-            settings["tokens"],
-            settings["confirm_fallback"],
+            config.tokens,
+            config.confirm_fallback,
             log,
         )
     best = candidates[chosen]
     picked = confirmations[chosen] if confirmations else None
-    settings["interrupted"] = interrupted or stopped
+    settings["interrupted"] = record.interrupted or stopped
     plan = make_plan(best, _provenance(engine, best, picked, settings))
-    plan.save(out)
+    plan.save(record.out)
     prov = plan.provenance
     result = SearchResult(
         plan,
-        out,
+        record.out,
         None,
         None,
         settings["study"],
@@ -185,9 +196,9 @@ def choose_and_write(
         prov["beats_plain_decoding"],
         confirmations,
         settings["interrupted"],
-        costs,
+        record.costs,
         best.number,
     )
-    if write_report:
-        _write_report(result, study, ranked, folder, log)
+    if config.write_report:
+        _write_report(result, study, ranked, record.folder, log)
     return result

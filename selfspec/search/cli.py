@@ -8,16 +8,16 @@ import sys
 
 from selfspec.cliargs import add_model_arguments, check_at_least, load_engine
 from selfspec.errors import SelfSpecError
-from selfspec.search.storage import open_storage
-from selfspec.search.study import (
+from selfspec.search.config import (
     DEFAULT_CONFIRM,
     DEFAULT_LIMIT,
     DEFAULT_PROMPTS,
     DEFAULT_TOKENS,
     DEFAULT_TRIALS,
-    default_out,
-    search_plan,
+    SearchConfig,
 )
+from selfspec.search.storage import open_storage
+from selfspec.search.study import default_out, search_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     # Without --out a bundled model's plan goes to the user's plan folder for the mode that runs.
     out = Path(args.out) if args.out else default_out(engine.loaded.name, engine.loaded.speed)
-    result = search_plan(
-        engine,
-        prompts,
+    config = SearchConfig(
+        prompts=prompts,
         trials=args.trials,
         tokens=args.tokens,
         out=out,
@@ -124,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         how=_command_line(args),
         prompts_label=f"{args.prompts} (limit {args.limit} per category)",
     )
+    result = search_plan(engine, config)
     print(result.summary())
     return 0
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine, GenerationResult
-    from selfspec.plan import SkipPlan
+    from selfspec.runtime.plan import SkipPlan
     from selfspec.search.calibration import CalibrationItem
 
 

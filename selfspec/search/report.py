@@ -6,15 +6,15 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from selfspec.figures import figure_png, pyplot
 from selfspec.fileio import atomic_write_bytes, atomic_write_text
-from selfspec.reporting import figure_png, pyplot
 from selfspec.search.space import param_name, plan_args
 
 if TYPE_CHECKING:
     import optuna
 
-    from selfspec.plan import SkipPlan
-    from selfspec.search.costs import CostModel
+    from selfspec.runtime.plan import SkipPlan
+    from selfspec.search.cost_model import CostModel
     from selfspec.search.result import SearchResult
 
 POLICY_PARAMS = ("max_draft_tokens", "confidence_threshold", "adaptive_threshold")

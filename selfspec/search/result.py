@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from selfspec.plan import SkipPlan
-    from selfspec.search.costs import CostModel
+    from selfspec.runtime.plan import SkipPlan
+    from selfspec.search.cost_model import CostModel
 
 
 @dataclass

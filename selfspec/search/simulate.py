@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from selfspec.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
+from selfspec.drafters.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
 
 
 @dataclass
@@ -61,7 +61,8 @@ def simulate(
     falls below it is still paid) and up to min(max_draft, room - 1) tokens; the longest agreeing
     prefix is accepted, plus the target's own token. ``verify_cost(rows, tail_rows)`` is the
     verify pass over rows = drafted + 1 tokens, of which ``tail_rows`` had no draft step.
-    The threshold adapts with the drafters' own rule (selfspec.adaptation.AdaptiveThreshold).
+    The threshold adapts with the drafters' own rule
+    (selfspec.drafters.adaptation.AdaptiveThreshold).
     """
     n = len(agree)
     if len(confidence) != n:

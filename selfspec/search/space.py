@@ -9,7 +9,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from selfspec.plan import SkipPlan
+    from selfspec.runtime.plan import SkipPlan
 
 MAX_DRAFT_RANGE = (2, 10)
 # Draft heads over the first N token ids (0: the whole vocabulary); sizes past the vocabulary drop

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
-from selfspec.plan import ModelIdentity, SkipPlan
+from selfspec.runtime.plan import ModelIdentity, SkipPlan
 from selfspec.search.calibration import CalibrationItem
-from selfspec.search.costs import CostModel
+from selfspec.search.cost_model import CostModel
 from selfspec.search.simulate import SimResult, simulate
 
 if TYPE_CHECKING:
-    from selfspec.drafthead import DraftVocab
     from selfspec.engine import Engine
+    from selfspec.runtime.draft_vocab import DraftVocab
 
 
 @dataclass
@@ -90,7 +90,7 @@ class SpeedModel:
     def _draft_vocab(self, item: CalibrationItem, prefix: int) -> DraftVocab:
         """The ids the drafter's head scores somewhere along this continuation (as it runs:
         the prefix, the stop tokens and the context's ids)."""
-        from selfspec.drafthead import DraftVocab
+        from selfspec.runtime.draft_vocab import DraftVocab
 
         vocab = DraftVocab(prefix, self.runner.head_rows, always=self.engine.eos_ids())
         vocab.follow(item.prompt_ids + item.continuation[:-1])

@@ -55,8 +55,8 @@ def open_storage(url: str):
     optuna = silence_optuna()
     if not isinstance(url, str) or "://" not in url:
         raise SelfSpecError(
-            f"--storage '{url}' is not a storage URL. Use e.g. sqlite:///search/study.db, "
-            "journal:///search/study.log, postgresql://user:password@host/db or "
+            f"--storage '{url}' is not a storage URL. Use e.g. sqlite:///study.db, "
+            "journal:///study.log, postgresql://user:password@host/db or "
             "mysql+pymysql://user:password@host/db."
         )
     for scheme in ("sqlite:///", JOURNAL):

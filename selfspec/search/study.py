@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfspec.decode import check_context
 from selfspec.errors import SelfSpecError
-from selfspec.modelfiles import KNOWN_MODELS
+from selfspec.loading.sources import KNOWN_MODELS
 from selfspec.paths import user_plan_path
-from selfspec.plan import SkipPlan, check_plan_matches, load_plan
 from selfspec.prompts import Prompt, load_prompts
+from selfspec.runtime.decode import check_context
+from selfspec.runtime.plan import SkipPlan, check_plan_matches, load_plan
 from selfspec.search.calibration import CalibrationItem, calibration_key, load_or_make_calibration
-from selfspec.search.choose import choose_and_write, finished_counts
-from selfspec.search.costs import CostModel, measure_costs
+from selfspec.search.choose import StudyRecord, choose_and_write, finished_counts
+from selfspec.search.config import SearchConfig
+from selfspec.search.cost_model import CostModel, measure_costs
 from selfspec.search.result import SearchResult
 from selfspec.search.space import (
     DRAFT_VOCAB_CHOICES,
@@ -43,13 +44,6 @@ if TYPE_CHECKING:
     import optuna
 
     from selfspec.engine import Engine
-
-DEFAULT_PROMPTS = "spec-bench:coding,math_reasoning,math"
-DEFAULT_LIMIT = 1
-DEFAULT_TOKENS = 48
-DEFAULT_TRIALS = 60
-DEFAULT_CONFIRM = 3
-MIN_AGREEMENT = 0.3  # prune a trial whose draft agrees with the target less often than this
 
 
 def stderr_log(message: str) -> None:
@@ -370,102 +364,64 @@ def _study_meta(engine: Engine, key: str, prep: _Prepared, tokens: int) -> dict:
 
 def search_plan(
     engine: Engine,
-    prompts=DEFAULT_PROMPTS,
+    config: SearchConfig | None = None,
     *,
-    limit: int | None = DEFAULT_LIMIT,
-    trials: int = DEFAULT_TRIALS,
-    tokens: int = DEFAULT_TOKENS,
-    out: str | Path | None = None,
-    storage=None,
-    study_name: str | None = None,
-    seed: int = 0,
-    timeout: float | None = None,
-    confirm: int = DEFAULT_CONFIRM,
-    confirm_fallback: bool = False,
-    chat: bool | None = None,
-    min_agreement: float = MIN_AGREEMENT,
-    cost_repeats: int = 5,
-    write_report: bool = True,
-    progress: bool | None = None,
-    how: str | None = None,
     callbacks: Sequence[Callable] = (),
     log: Callable[[str], None] | None = stderr_log,
-    prompts_label: str | None = None,
 ) -> SearchResult:
-    """Search skip plans for ``engine``'s model; write the best to ``out`` (with report.md and
-    importance.png beside it).
-
-    ``prompts``: a prompt spec (``spec-bench:coding,math`` or a .jsonl path; ``limit`` per
-    category), or a list of selfspec.prompts.Prompt or strings. ``out``: default the user's plan
-    folder for a bundled model (``selfspec.paths.user_plan_path``), else ./plan.json.
-    ``storage``: an Optuna storage URL or object (default a SQLite file beside ``out``); the study
-    named ``study_name`` (default from the model and calibration) is resumed if it exists, and
-    trials run until it holds ``trials`` complete ones (pruned and failed ones do not count; see
-    selfspec.search.workers for trials whose worker died). ``chat``: wrap prompts in the chat
-    template (None: when the tokenizer has one, as `selfspec bench` does). ``confirm``: how many of
-    the best distinct trials to time for real (0: trust the speed model), with the decode loop's
-    fallback to plain decoding off unless ``confirm_fallback``. ``callbacks`` go to study.optimize.
-    """
+    """Search skip plans for ``engine``'s model as ``config`` says (default: ``SearchConfig()``);
+    write the best to ``config.out`` (with report.md and importance.png beside it).
+    ``callbacks`` go to study.optimize."""
+    c = config or SearchConfig()
     log = log or (lambda message: None)
-    _check_settings(trials, tokens, confirm, limit, timeout)
-    prep = _prepare(engine, prompts, limit, tokens, out, chat, prompts_label)
+    _check_settings(c.trials, c.tokens, c.confirm, c.limit, c.timeout)
+    prep = _prepare(engine, c.prompts, c.limit, c.tokens, c.out, c.chat, c.prompts_label)
     L = engine.identity.num_layers
-    key = calibration_key(engine, prep.prompt_ids, tokens)
-    study_name = study_name or f"{_study_slug(engine.loaded.name)}-{key[:8]}"
-    meta = _study_meta(engine, key, prep, tokens)
-    study, shown = _open_study(storage, prep.folder, study_name, meta, min_agreement)
+    key = calibration_key(engine, prep.prompt_ids, c.tokens)
+    study_name = c.study_name or f"{_study_slug(engine.loaded.name)}-{key[:8]}"
+    meta = _study_meta(engine, key, prep, c.tokens)
+    study, shown = _open_study(c.storage, prep.folder, study_name, meta, c.min_agreement)
     counts = trial_counts(study)
-    remaining = max(0, trials - counts["COMPLETE"])
+    remaining = max(0, c.trials - counts["COMPLETE"])
     log(
         f"study '{study_name}' in {shown}: {counts['COMPLETE']} complete, {counts['PRUNED']} "
         f"pruned, {counts['FAIL']} failed trials; {remaining} more complete ones to run"
     )
 
     items = load_or_make_calibration(
-        engine, prep.prompts, prep.prompt_ids, tokens, key, prep.folder, log
+        engine, prep.prompts, prep.prompt_ids, c.tokens, key, prep.folder, log
     )
-    costs = _study_costs(study, engine, items, cost_repeats, log)
+    costs = _study_costs(study, engine, items, c.cost_repeats, log)
     vocab_choices = [v for v in DRAFT_VOCAB_CHOICES if v < engine.runner.head_rows]
     objective = _Objective(SpeedModel(engine, items, costs), study, L, vocab_choices)
-    starts = warm_starts(L, prep.current, seed=seed, vocab_choices=vocab_choices)
+    starts = warm_starts(L, prep.current, seed=c.seed, vocab_choices=vocab_choices)
     interrupted = _run_trials(
         study,
         objective,
         starts,
-        trials=trials,
+        trials=c.trials,
         remaining=remaining,
-        seed=seed,
-        timeout=timeout,
-        progress=progress,
+        seed=c.seed,
+        timeout=c.timeout,
+        progress=c.progress,
         callbacks=callbacks,
         log=log,
     )
     complete, pruned = finished_counts(study)
-    how = how or (
+    how = c.how or (
         f"selfspec.search.search_plan(prompts={prep.prompts_spec!r}, "
-        f"trials={trials}, tokens={tokens})"
+        f"trials={c.trials}, tokens={c.tokens})"
     )
     settings = {
         "how": how,
         "prompts": prep.prompts_spec,
         "prompt_count": len(items),
         "chat_template": prep.chat,
-        "tokens": tokens,
+        "tokens": c.tokens,
         "study": study_name,
         "storage": shown,
         "trials": complete + pruned,
-        "confirm_fallback": confirm_fallback,
+        "confirm_fallback": c.confirm_fallback,
     }
-    return choose_and_write(
-        engine,
-        study,
-        items,
-        prep.out,
-        prep.folder,
-        settings,
-        confirm if not interrupted else 0,
-        interrupted,
-        costs,
-        log,
-        write_report,
-    )
+    record = StudyRecord(prep.out, prep.folder, settings, costs, interrupted)
+    return choose_and_write(engine, study, items, c, record, log)

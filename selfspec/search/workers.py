@@ -108,7 +108,7 @@ def _done(counts: Counter, trials: int) -> bool:
     return counts["COMPLETE"] >= trials and counts["WAITING"] == 0
 
 
-def _unless_done(objective: Callable, trials: int) -> Callable:
+def unless_done(objective: Callable, trials: int) -> Callable:
     """``objective``, except that a new trial which begins once the study holds its complete
     trials is pruned at once. Another worker may have seen the study done, with nothing running
     or queued, in the moment between this worker's last count and this trial's start, and chosen
@@ -162,7 +162,7 @@ def run_share(
             settle_until = None
             try:
                 study.optimize(
-                    _unless_done(objective, trials),
+                    unless_done(objective, trials),
                     timeout=left,
                     callbacks=[count_and_stop, *callbacks],
                     gc_after_trial=False,

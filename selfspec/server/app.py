@@ -62,7 +62,7 @@ class Service:
             raise APIError(400, str(exc), "prompt") from None
 
     def job_config(self, request, prompt_len: int):
-        from selfspec.sampling import Sampling
+        from selfspec.runtime.sampling import Sampling
 
         window = self.engine.runner.context_window or (prompt_len + self.max_tokens)
         if prompt_len >= window:

@@ -3,13 +3,14 @@
     selfspec serve --model qwen2.5-coder-1.5b --port 8000
 
 then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs with
-the default drafter (context n-gram and layer-skip drafts, chosen each round); concurrent requests
-share passes: each pass scores every request's next token and the tokens drafted for it from its own
-text (selfspec.batch). A request whose prompt starts with tokens an earlier one read (a system
-prompt, a conversation's earlier turns) reads only the rest (--prefix-cache-mb, selfspec.prefixes;
-not in speed mode torch nor for sliding-window models). Requests wait in a bounded queue and a full
-queue answers 503. At most --max-batch requests are generated at once. SIGTERM or Ctrl-C stops
-accepting, ends what runs and what waits with an error event, and shuts down.
+the default drafter (context n-gram, draft-head and layer-skip drafts, chosen each round);
+concurrent requests share passes: each pass scores every request's next token and the tokens
+drafted for it from its own text (selfspec.runtime.batch). A request whose prompt starts with
+tokens an earlier one read (a system prompt, a conversation's earlier turns) reads only the rest
+(--prefix-cache-mb, selfspec.runtime.prefixes; not in speed mode torch nor for sliding-window
+models). Requests wait in a bounded queue and a full queue answers 503. At most --max-batch
+requests are generated at once. SIGTERM or Ctrl-C stops accepting, ends what runs and what waits
+with an error event, and shuts down.
 """
 
 from __future__ import annotations

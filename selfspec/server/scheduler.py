@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 from selfspec.server.protocol import APIError
 
 if TYPE_CHECKING:
-    from selfspec.batch import Sequence
-    from selfspec.decode import DecodeConfig
     from selfspec.drafters import Drafter
     from selfspec.engine import Engine
+    from selfspec.runtime.batch import Sequence
+    from selfspec.runtime.decode import DecodeConfig
 
 
 @dataclass
@@ -174,12 +174,13 @@ class Scheduler:
 
     A job alone runs speculatively with the drafter. When others arrive it is paused after its
     current round and goes on with them in a batch: one pass per step serves every active job's
-    next token and the tokens drafted for it from its own text (``selfspec.batch``; no drafts
-    when the server runs without a drafter), jobs joining and leaving between passes. Where the
-    runner cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
+    next token and the tokens drafted for it from its own text (``selfspec.runtime.batch``; no
+    drafts when the server runs without a drafter), jobs joining and leaving between passes. Where
+    the runner cannot batch (speed mode torch, sliding-window attention) jobs run one after another.
     At most ``max_batch`` jobs run at once; the others wait in the queue. Where the runner
     batches, a finished job's keys and values stay in a prefix cache of ``prefix_cache_bytes``
-    (``selfspec.prefixes``), and a job whose prompt starts the same way reads only the rest."""
+    (``selfspec.runtime.prefixes``), and a job whose prompt starts the same way reads only the
+    rest."""
 
     def __init__(
         self,
@@ -190,7 +191,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
     ):
         from selfspec.drafters.batched import BatchDrafter
-        from selfspec.prefixes import PrefixStore
+        from selfspec.runtime.prefixes import PrefixStore
 
         self.engine, self.drafter = engine, drafter
         # shares the solo drafter's pass costs and context-draft acceptance
@@ -292,8 +293,8 @@ class Scheduler:
 
     def _solo(self, job: Job) -> None:
         """Speculative decoding while the job is alone; paused into the batch when others come."""
-        from selfspec.batch import resume_sequence
-        from selfspec.decode import generate_ids
+        from selfspec.runtime.batch import resume_sequence
+        from selfspec.runtime.decode import generate_ids
 
         runner, trimmer = self.engine.runner, StopTrimmer(job.config.stop_strings)
         stream = self._emitter(job, trimmer)
@@ -343,7 +344,7 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         """A job joins the batch with its prompt to be read in chunks inside the batch's passes,
         so the others need not wait for it."""
-        from selfspec.batch import admit_sequence
+        from selfspec.runtime.batch import admit_sequence
 
         runner = self.engine.runner
         if not runner.can_batch:
@@ -367,7 +368,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """One pass for the whole batch; finished and cancelled jobs leave it."""
-        from selfspec.batch import step
+        from selfspec.runtime.batch import step
 
         cancelled = [r for r in self.batch if r.job.cancelled.is_set()]
         self.batch = [r for r in self.batch if not r.job.cancelled.is_set()]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# selfspec's CUDA path on a lent GPU machine: the CUDA tests, then `selfspec profile` and
+# selfspec's CUDA path on a GPU machine: the CUDA tests, then `selfspec profile` and
 # `selfspec bench` on random stand-ins of the bundled Qwen models (tests/gpu/standin.py); stage
 # "real": the same on the real 1.5B.
 # Needs, beside the repo: .gpu/ (configs + tokenizer copied from the model cache) and, where
@@ -41,10 +41,10 @@ if [[ $STAGE == all || $STAGE == measure ]]; then
   done
 fi
 if [[ $STAGE == real ]]; then
-  # The real 1.5B: its .gguf assembled at $GGUF first (how: search/qwen2.5-coder-1.5b/cuda-h200-real/
+  # The real 1.5B: its .gguf assembled at $GGUF first (how: results/qwen2.5-coder-1.5b/heads/
   # README.md). Pass costs, then plain decoding, context drafts, context + head drafts and the
   # default drafter (context, heads and the committed plan's layer-skip drafts). HEADS: a heads
-  # file to use instead of the shipped one (one just trained by tests/gpu/train_heads.py).
+  # file to use instead of the shipped one (one just trained by python3 -m selfspec.training.gpu).
   GGUF=${GGUF:-/tmp/p/model.gguf}
   HEADS=${HEADS:-selfspec/plans/qwen2.5-coder-1.5b/heads.safetensors}
   [[ ${PROFILE:-1} == 1 ]] && python3 -m selfspec.cli profile --model "$GGUF" --device cuda \

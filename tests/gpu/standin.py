@@ -1,10 +1,10 @@
 """Write a randomly initialised stand-in of a model: its config and tokenizer, random bfloat16
 weights.
 
-The lent GPU machine reaches no package index, so the bundled models' weights cannot get
-there. What a forward pass costs depends on the shapes alone, so `selfspec profile` and the
-timing columns of `selfspec bench` are measured on stand-ins; acceptance rates are not
-(random weights draft nothing like the real model), and nothing about output quality is.
+A GPU machine that reaches no package index cannot fetch the bundled models. What a forward pass
+costs depends on the shapes alone, so `selfspec profile` and the timing columns of `selfspec
+bench` are measured on stand-ins; acceptance rates are not (random weights draft nothing like
+the real model), and nothing about output quality is.
 
     python tests/gpu/standin.py CONFIG_DIR TOKENIZER_DIR OUT_DIR
 """

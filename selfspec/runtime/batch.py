@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from selfspec.decode import (
+from selfspec.drafters.base import Draft, point_masses
+from selfspec.drafters.ngram import ContextIndex
+from selfspec.runtime.decode import (
     DecodeConfig,
     DecodeStats,
     Generation,
@@ -34,15 +36,13 @@ from selfspec.decode import (
     check_request,
     make_generator,
 )
-from selfspec.drafters.base import Draft, point_masses
-from selfspec.drafters.ngram import ContextIndex
 
 if TYPE_CHECKING:
     import torch
 
     from selfspec.drafters.batched import BatchDrafter
-    from selfspec.prefixes import PrefixStore
-    from selfspec.runner import KVCache, ModelRunner
+    from selfspec.runtime.prefixes import PrefixStore
+    from selfspec.runtime.runner import KVCache, ModelRunner
 
 PREFILL_CHUNK = 64  # prompt rows a pass takes, so that the batch's other rows wait little
 

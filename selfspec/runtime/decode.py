@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
 from selfspec.drafters import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
 from selfspec.errors import SelfSpecError
-from selfspec.sampling import Sampling, accept_greedy, accept_sampled, sample
+from selfspec.runtime.sampling import Sampling, accept_greedy, accept_sampled, sample
 
 if TYPE_CHECKING:
-    from selfspec.prefixes import PrefixStore
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.prefixes import PrefixStore
+    from selfspec.runtime.runner import ModelRunner
 
 
 @dataclass
@@ -285,8 +285,8 @@ def generate_ids(
     ``on_tokens`` is called with each batch of newly committed tokens, as soon as they are final.
     ``pause`` is asked after every round; when it says so the generation stops with stop reason
     "paused", its committed tokens' keys and values in the runner's cache, to be continued
-    elsewhere (``selfspec.batch.resume_sequence``). With ``prefixes`` the prompt's longest stored
-    prefix is not read again (``selfspec.prefixes``; only where the runner batches).
+    elsewhere (``selfspec.runtime.batch.resume_sequence``). With ``prefixes`` the prompt's longest
+    stored prefix is not read again (``selfspec.runtime.prefixes``; only where the runner batches).
     """
     check_request(prompt_ids, config, runner)
     width = config.max_draft_tokens

@@ -2,15 +2,15 @@
 
 - ``torch``: the model as transformers builds it (``F.linear`` over [out, in] weights).
 - ``packed``: CPU, float32. Every linear layer of the decoder and the head is repacked into
-  16-wide column panels and multiplied by selfspec's own kernel (``kernels/packed_linear.cpp``,
+  16-wide column panels and multiplied by selfspec's own kernel (``kernels/linear.cpp``,
   compiled for this CPU on first use, about a minute, then cached). Same weights, same
   float32 arithmetic, summed in a fixed order, so a pass over k+1 tokens gives every row the
   logits a one-token pass gives, and costs about what one token costs (BLAS does not: see
   ``selfspec profile``).
 - ``gguf``: as ``packed``, but the linear layers keep the GGUF file's quantized integers (Q4_K,
   Q6_K, ...) and the kernel rebuilds each float32 weight in registers: the same logits as
-  ``packed``, bit for bit, from a fifth of the memory traffic (``selfspec.quantized``). Opt-in;
-  for models that came from a GGUF file.
+  ``packed``, bit for bit, from a fifth of the memory traffic (``selfspec.speed.quantized``).
+  Opt-in; for models that came from a GGUF file.
 - ``gguf-q8``: the GGUF file's integers times the activations rounded to 8 bits (per 32 values),
   summed with integer dot products (AVX-512 VNNI, else AVX2), as llama.cpp does: less arithmetic
   than ``gguf``, so verify passes and prefill cost less. **Changes the numerics**: the logits are
@@ -19,11 +19,11 @@
   decoding in this mode. The default for GGUF models on x86-64 CPUs.
 - ``cuda-graphs``: CUDA. The model as transformers builds it (bfloat16 by default), every pass
   after prefill run with a fixed shape over a static cache and replayed as a CUDA graph
-  (``selfspec.static``): one launch per pass instead of about a thousand. On CUDA the ``torch``
-  mode runs the same fixed-shape passes without graphs (fixed shapes keep rows independent of
-  the pass length, which greedy identity needs).
+  (``selfspec.runtime.cuda_graphs``): one launch per pass instead of about a thousand. On CUDA the
+  ``torch`` mode runs the same fixed-shape passes without graphs (fixed shapes keep rows
+  independent of the pass length, which greedy identity needs).
 - ``cuda-compiled``: as ``cuda-graphs``, each kind of pass first put through ``torch.compile``,
-  which fuses the small ops between the matmuls (faster passes; README, "Speed on CUDA"), but
+  which fuses the small ops between the matmuls (faster passes; docs/performance.md), but
   compiling takes about a minute per kind of pass (the draft step, the verify pass) on first use
   in a process. Opt-in: for long runs, not one-off prompts.
 - ``auto`` (default): the fastest mode this machine runs: ``cuda-graphs`` on CUDA; on a CPU,
@@ -61,8 +61,8 @@ NUMERICS = {
     "gguf-q8": "activations rounded to 8 bits per 32 values (llama.cpp's arithmetic): "
     "not the float32 model's logits"
 }
-# On CUDA every mode runs fixed 16-row passes over a static cache (selfspec.static): the same
-# model, its sums in another order than transformers' one-token steps.
+# On CUDA every mode runs fixed 16-row passes over a static cache (selfspec.runtime.cuda_graphs):
+# the same model, its sums in another order than transformers' one-token steps.
 CUDA_NUMERICS = (
     "bfloat16 passes of 16 rows over a static cache: sums in another order than transformers' "
     "one-token steps, so greedy output can part from hf_generate's"
@@ -209,12 +209,12 @@ def _fastest_cpu_mode(from_gguf: bool) -> str:
 
 def apply_speed_mode(model: nn.Module, mode: str, gguf_path: Path | None = None) -> None:
     """Lay ``model``'s weights out for ``mode``. A float32 model put into a quantized mode needs
-    the GGUF file it came from (``gguf_path``); one loaded by ``selfspec.quantload`` is quantized
-    already."""
+    the GGUF file it came from (``gguf_path``); one loaded by ``selfspec.loading.gguf_load`` is
+    quantized already."""
     if mode in KERNEL_MODES and model.config._attn_implementation == "sdpa":
         use_row_attention(model)
     if mode in QUANTIZED_MODES:
-        from selfspec.quantized import QuantLinear, quantize_model
+        from selfspec.speed.quantized import QuantLinear, quantize_model
 
         if not any(isinstance(m, QuantLinear) for m in model.modules()):
             if gguf_path is None:

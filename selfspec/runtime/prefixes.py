@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from selfspec.runner import KVCache
+    from selfspec.runtime.runner import KVCache
 
 
 @dataclass(eq=False)  # entries are told apart by identity

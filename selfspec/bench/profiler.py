@@ -14,6 +14,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -25,18 +26,30 @@ from selfspec.cliargs import (
     resolve_heads,
     resolve_plan,
 )
+from selfspec.errors import SelfSpecError
+from selfspec.runtime.plan import parse_layer_list
 
 if TYPE_CHECKING:
     from selfspec.drafters.heads import DraftHeads
 
 SIZES = (1, 2, 4, 8, 16)
+MAX_ROWS = 64
 
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser)
     add_plan_arguments(parser, "whose draft step to time")
     parser.add_argument(
-        "--prefix", type=int, default=200, help="cached prefix length (default 200)"
+        "--prefix",
+        type=int,
+        default=200,
+        help="cached prefix length (default 200); a pass's cost grows with the context it reads",
+    )
+    parser.add_argument(
+        "--rows",
+        default=",".join(map(str, SIZES)),
+        help="pass sizes to time, in tokens, e.g. 1-8,12,16 (default %(default)s; 1 is always "
+        f"timed; at most {MAX_ROWS})",
     )
     parser.add_argument(
         "--repeats",
@@ -112,18 +125,22 @@ def profile_engine(
     repeats: int = 9,
     acceptance: float | None = None,
     heads: DraftHeads | None = None,
+    rows: Sequence[int] = SIZES,
 ) -> dict:
+    """What passes over each of ``rows`` tokens after a ``prefix``-token cached prefix cost, and
+    (given them) the plan's draft step and the heads' draft, medians of ``repeats`` rounds."""
     import torch
 
-    from selfspec.models import unmodified
+    from selfspec.loading.models import unmodified
 
     runner, loaded = engine.runner, engine.loaded
     model = unmodified(loaded).model  # "plain transformers on the same weights"
-    prefix_ids, new_ids = cached_prefix(runner, prefix, max(SIZES), model.config.vocab_size)
+    rows = sorted({1, *rows})
+    prefix_ids, new_ids = cached_prefix(runner, prefix, max(rows), model.config.vocab_size)
 
-    times = _interleaved_ms(_passes(runner, prefix_ids, new_ids, plan, heads), repeats)
-    forward_ms = {str(n): statistics.median(times[str(n)]) for n in SIZES}
-    hf_forward_ms = _hf_forward_ms(model, runner.device, prefix_ids, new_ids, repeats)
+    times = _interleaved_ms(_passes(runner, prefix_ids, new_ids, rows, plan, heads), repeats)
+    forward_ms = {str(n): statistics.median(times[str(n)]) for n in rows}
+    hf_forward_ms = _hf_forward_ms(model, runner.device, prefix_ids, new_ids, rows, repeats)
     result = {
         "model": engine.loaded.name,
         "device": str(runner.device),
@@ -133,25 +150,26 @@ def profile_engine(
         "prefix": prefix,
         "forward_ms": forward_ms,
         "hf_forward_ms": hf_forward_ms,
-        "verify_ratio_8_over_1": forward_ms["8"] / forward_ms["1"],
         "speedup_vs_hf_1_token": hf_forward_ms["1"] / forward_ms["1"],
     }
+    if "8" in forward_ms:
+        result["verify_ratio_8_over_1"] = forward_ms["8"] / forward_ms["1"]
     if plan is not None:
         alpha = acceptance
         if alpha is None:
             alpha = plan.provenance.get("acceptance_rate") or 0.8
         result.update(_draft_figures(times, alpha, forward_ms))
     if heads is not None:
-        result.update(_head_figures(times, len(heads)))
+        result.update(_head_figures(times, len(heads), max(rows)))
     return result
 
 
-def _passes(runner, prefix_ids, new_ids, plan, heads: DraftHeads | None) -> dict:
-    """What to time, by name: cached passes over each of SIZES tokens after ``prefix_ids``, the
+def _passes(runner, prefix_ids, new_ids, rows, plan, heads: DraftHeads | None) -> dict:
+    """What to time, by name: cached passes over each of ``rows`` tokens after ``prefix_ids``, the
     plan's draft step (as its drafter runs it: capture, draft head) and the heads' draft with the
     rounds around it."""
     prefix = len(prefix_ids)
-    passes = {str(n): lambda n=n: runner.forward(new_ids[:n], prefix) for n in SIZES}
+    passes = {str(n): lambda n=n: runner.forward(new_ids[:n], prefix) for n in rows}
     if plan is not None:
         from selfspec.drafters import SelfSkipDrafter
 
@@ -168,14 +186,14 @@ def _passes(runner, prefix_ids, new_ids, plan, heads: DraftHeads | None) -> dict
         head_draft = _head_draft(runner, heads, prefix_ids.tolist())
         passes["heads"] = head_draft
         # a round's verify pass over the pending token and every guess
-        rows = min(len(heads) + 1, max(SIZES))
-        round_pass = partial(runner.forward, new_ids[:rows], prefix)
+        round_rows = min(len(heads) + 1, max(rows))
+        round_pass = partial(runner.forward, new_ids[:round_rows], prefix)
         passes.update(_ahead_rounds(round_pass, head_draft, runner.device))
     return passes
 
 
-def _hf_forward_ms(model, device, prefix_ids, new_ids, repeats: int) -> dict[str, float]:
-    """Plain transformers' cached passes over each of SIZES tokens after ``prefix_ids``."""
+def _hf_forward_ms(model, device, prefix_ids, new_ids, rows, repeats: int) -> dict[str, float]:
+    """Plain transformers' cached passes over each of ``rows`` tokens after ``prefix_ids``."""
     import torch
     from transformers import DynamicCache
 
@@ -189,7 +207,7 @@ def _hf_forward_ms(model, device, prefix_ids, new_ids, repeats: int) -> dict[str
         # drop the n new tokens again (negative: works across transformers versions)
         hf_cache.crop(-n)
 
-    return {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in SIZES}
+    return {str(n): _median_ms(lambda n=n: hf_step(n), repeats) for n in rows}
 
 
 def _draft_figures(times: dict, alpha: float, forward_ms: dict) -> dict:
@@ -204,14 +222,14 @@ def _draft_figures(times: dict, alpha: float, forward_ms: dict) -> dict:
     )
 
 
-def _head_figures(times: dict, guesses: int) -> dict:
+def _head_figures(times: dict, guesses: int, most_rows: int) -> dict:
     return dict(
         head_guesses=guesses,
         head_draft_ms=statistics.median(times["heads"]),
         head_guess_cost_ratio=statistics.median(
             h / guesses / f for h, f in zip(times["heads"], times["1"])
         ),
-        ahead_pass_tokens=min(guesses + 1, max(SIZES)),
+        ahead_pass_tokens=min(guesses + 1, most_rows),
         ahead_sequential_ms=statistics.median(times["draft, then pass"]),
         ahead_beside_ms=statistics.median(times["draft beside pass"]),
     )
@@ -245,7 +263,7 @@ def _head_draft(runner, heads: DraftHeads, context: list[int]):
     hidden state; the chain not cut short), to time."""
     from selfspec.drafters.base import DraftRequest, DraftSettings
     from selfspec.drafters.heads import HeadDrafter
-    from selfspec.sampling import Sampling
+    from selfspec.runtime.sampling import Sampling
 
     drafter = HeadDrafter(runner, heads)
     drafter.begin(context, len(context) + 1, DraftSettings())
@@ -281,6 +299,9 @@ def best_draft_length(alpha: float, draft_ms: float, forward_ms: dict) -> dict:
 def run(args) -> int:
     check_at_least("--repeats", args.repeats, 1)
     check_at_least("--prefix", args.prefix, 1)
+    rows = parse_layer_list(args.rows, "--rows", "a number of tokens")
+    if not rows or min(rows) < 1 or max(rows) > MAX_ROWS:
+        raise SelfSpecError(f"--rows: give pass sizes from 1 to {MAX_ROWS}, e.g. 1,2,4,8,16")
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     heads = engine.resolve_heads(resolve_heads(engine, args))
@@ -291,6 +312,7 @@ def run(args) -> int:
         repeats=args.repeats,
         acceptance=args.acceptance,
         heads=heads,
+        rows=rows,
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -302,7 +324,7 @@ def run(args) -> int:
         f"{result['prefix']}-token cached prefix, medians of {args.repeats} rounds"
     )
     print(f"{'tokens':>6} {'selfspec ms':>12} {'transformers ms':>16} {'ratio to 1 token':>17}")
-    for n in SIZES:
+    for n in map(int, result["forward_ms"]):
         s, h = result["forward_ms"][str(n)], result["hf_forward_ms"][str(n)]
         print(f"{n:>6} {s:>12.1f} {h:>16.1f} {s / result['forward_ms']['1']:>17.2f}")
     if plan is not None:

@@ -26,8 +26,8 @@ class DraftPolicy:
     # Nudge the threshold after each round towards a target acceptance (Draft & Verify's rule).
     adaptive_threshold: bool = True
     # Draft steps score only the first draft_vocab token ids (BPE vocabularies put frequent tokens
-    # first), plus the stop tokens and the ids the context has used (selfspec.drafthead); the
-    # verify pass still scores all. None: the whole vocabulary.
+    # first), plus the stop tokens and the ids the context has used (selfspec.runtime.draft_vocab);
+    # the verify pass still scores all. None: the whole vocabulary.
     draft_vocab: int | None = None
 
 
@@ -235,8 +235,9 @@ def build_plan(
     return plan_from_dict(data, source="the layers to skip")
 
 
-def parse_layer_list(text: str, flag: str) -> list[int]:
-    """Parse '3,5,7' or '3-7' or '' into layer indices, with an error naming the flag."""
+def parse_layer_list(text: str, flag: str, what: str = "a layer index") -> list[int]:
+    """Parse '3,5,7' or '3-7' or '' into layer indices (or other whole numbers: ``what``), with
+    an error naming the flag."""
     out: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         try:
@@ -247,6 +248,6 @@ def parse_layer_list(text: str, flag: str) -> list[int]:
                 out.append(int(part))
         except ValueError:
             raise SelfSpecError(
-                f"{flag}: '{part}' is not a layer index or range (use e.g. 3,5,7 or 10-14)"
+                f"{flag}: '{part}' is not {what} or range (use e.g. 3,5,7 or 10-14)"
             ) from None
     return out

@@ -13,16 +13,16 @@ import hashlib
 
 import torch
 
-from selfspec.drafthead import DraftVocab, head_logits
 from selfspec.errors import SelfSpecError
-from selfspec.plan import ModelIdentity
+from selfspec.runtime.draft_vocab import DraftVocab, head_logits
+from selfspec.runtime.plan import ModelIdentity
 
 
 class DecoderAdapter:
     """Pre-norm decoder (llama, qwen2, mistral): h += attn(norm(h)); h += mlp(norm(h)).
 
-    With ``fused`` (the kernel's DecoderLayer per layer, ``selfspec.fused``) each sublayer is one
-    native call over the same weights instead of the model's modules."""
+    With ``fused`` (the kernel's DecoderLayer per layer, ``selfspec.speed.fused``) each sublayer is
+    one native call over the same weights instead of the model's modules."""
 
     def __init__(self, model, fused: list | None = None):
         self.model = model
@@ -186,7 +186,7 @@ def weight_fingerprint(model) -> str:
     embed = model.get_input_embeddings()
     vocab = embed.num_embeddings
     ids = torch.tensor([0, vocab // 2, vocab - 1])
-    # QuantEmbedding (selfspec.quantload) reads rows from the file: the same values
+    # QuantEmbedding (selfspec.loading.gguf_load) reads rows from the file: the same values
     rows = embed.rows(ids) if hasattr(embed, "rows") else embed.weight[ids]
     for sample in rows[:, :32].detach().to("cpu", torch.bfloat16).float():
         digest.update(sample.numpy().tobytes())

@@ -8,7 +8,8 @@ so this runner makes every pass after prefill look the same:
 - it runs exactly ``PASS_ROWS`` token rows: a draft step is row 0 of 16, a verify pass over
   k+1 tokens rows 0..k. Unused rows continue the positions; the keys and values they write lie
   beyond the committed length, where later passes overwrite them before anything reads them
-  (the cache invariant of ``selfspec.runner``). Longer passes run as consecutive 16-row passes.
+  (the cache invariant of ``selfspec.runtime.runner``). Longer passes run as consecutive 16-row
+  passes.
 - positions live in a device tensor: keys and values are written with ``index_copy_`` and
   attention reads the whole buffer through a mask built from the positions, so one graph
   serves every position of a generation.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from selfspec.runner import KVCache, ModelRunner, Resume, attention_mask
+from selfspec.runtime.runner import KVCache, ModelRunner, Resume, attention_mask
 
 PASS_ROWS = 16  # rows of every pass after prefill: max_draft_tokens + 1 up to 16 fit in one
 _CACHE_ROUNDING = 256  # cache lengths are rounded up so a longer prompt rarely forces new graphs

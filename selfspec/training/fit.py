@@ -1,7 +1,7 @@
-"""Fitting a chain of draft heads (``drafters.heads``) to rows of the target's hidden states.
+"""Fitting a chain of draft heads (``selfspec.drafters.heads``) to the target's hidden states.
 
-The training arithmetic alone, on whatever device the rows are: ``selfspec.headtrain`` (the CPU
-recipe behind ``selfspec train-heads``) and ``tests/gpu/train_heads.py`` (a lent GPU) both call
+The training arithmetic alone, on whatever device the rows are: ``selfspec.training.heads`` (the
+CPU recipe behind ``selfspec train-heads``) and ``selfspec.training.gpu`` (on a GPU) both call
 ``fit_rows`` on the rows they gathered, and ``chain_top1`` measures heads on held-out rows.
 
     heads = fit_rows(hidden, tokens, test_hidden, test_tokens, out, embed, epochs)
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, token_input
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import progress_bar
+from selfspec.loading.fetch import progress_bar
 
 
 def fit_rows(
@@ -46,7 +46,7 @@ def fit_rows(
     if soft > 0 and owner is None:
         raise ValueError("a soft loss needs owner: the answer each row belongs to")
     owner = None if owner is None else owner.to(device)
-    heads = _initial_heads(init, count, hidden.shape[1], device, layers)
+    heads = initial_heads(init, count, hidden.shape[1], device, layers)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
     _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner)
     heads = heads.detached()
@@ -82,7 +82,7 @@ def _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, own
             for j, (logits, target) in enumerate(chain):
                 loss = _hard_loss(logits, target)
                 if soft > 0:
-                    loss = (1 - soft) * loss + soft * _soft_loss(logits, hidden, owner, i, j, out)
+                    loss = (1 - soft) * loss + soft * soft_loss(logits, hidden, owner, i, j, out)
                 losses.append(loss)
             opt.zero_grad()
             sum(losses).backward()
@@ -92,7 +92,7 @@ def _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, own
     bar.close()
 
 
-def _initial_heads(init, count, size, device, layers) -> DraftHeads:
+def initial_heads(init, count, size, device, layers) -> DraftHeads:
     """Trainable float32 copies of ``init``'s first ``count`` heads (zeros without one)."""
     if init is None:
         weights = [torch.zeros(size, 2 * size) for _ in range(count)]
@@ -121,7 +121,7 @@ def _hard_loss(logits, target):
     )
 
 
-def _soft_loss(logits, hidden, owner, rows, j, out):
+def soft_loss(logits, hidden, owner, rows, j, out):
     """Cross-entropy against the model's distribution over ``out``'s ids at the rows (of
     ``hidden``) that produced head j's tokens, where that row belongs to the same answer."""
     later = (rows + 1 + j).clamp(max=len(hidden) - 1)

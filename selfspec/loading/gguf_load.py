@@ -1,9 +1,9 @@
 """Load a GGUF model straight into the quantized layout of speed modes gguf and gguf-q8.
 
 No float32 copy of the model is made. The model is built on the meta device (selfspec's own
-skeleton for the fused families, ``selfspec.skeleton``; else transformers' class under accelerate's
-``init_empty_weights``: modules whose parameters have no memory); its linear layers become
-``QuantLinear`` / ``Q8Linear`` panels; its embedding reads the file's rows as tokens come
+skeleton for the fused families, ``selfspec.loading.skeleton``; else transformers' class under
+accelerate's ``init_empty_weights``: modules whose parameters have no memory); its linear layers
+become ``QuantLinear`` / ``Q8Linear`` panels; its embedding reads the file's rows as tokens come
 (``QuantEmbedding``); the float32 tensors left (norms, biases) are read from the file through
 transformers' own GGUF name map and per-family fixes (the same ones its GGUF loading applies).
 
@@ -24,14 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import progress_bar
-from selfspec.gguffile import GGUFFile, GGUFTensor, read_gguf
 from selfspec.kernels import PANEL, load_kernel
-from selfspec.modelcache import MARKER_FILE, build_entry
+from selfspec.loading.cache import MARKER_FILE, build_entry
+from selfspec.loading.fetch import progress_bar
+from selfspec.loading.gguf_reader import GGUFFile, GGUFTensor, read_gguf
+from selfspec.loading.skeleton import CausalLM, build_skeleton
 from selfspec.paths import cache_dir
-from selfspec.quantized import (
+from selfspec.runtime.adapters import adapter_for
+from selfspec.speed.quantized import (
     Q8Linear,
     QuantLinear,
     decode,
@@ -39,7 +40,6 @@ from selfspec.quantized import (
     linear_sources,
     swap_module,
 )
-from selfspec.skeleton import CausalLM, build_skeleton
 
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
@@ -76,7 +76,7 @@ class QuantEmbedding(nn.Module):
         self.tensor = tensor
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("embed_scale", embed_scale, persistent=False)  # gemma scales rows
-        self._kept: dict[int, torch.Tensor] = {}  # token id -> its decoded row
+        self.kept_rows: dict[int, torch.Tensor] = {}  # token id -> its decoded row
         self._lock = threading.Lock()  # a drafter's thread may embed beside a pass (profile)
 
     def _decode(self, flat: list[int]) -> torch.Tensor:
@@ -87,7 +87,7 @@ class QuantEmbedding(nn.Module):
         """The unscaled rows of ``ids`` (any shape) as float32 [n, embedding_dim]."""
         flat = ids.reshape(-1).tolist()
         with self._lock:
-            kept = self._kept
+            kept = self.kept_rows
             missing = [t for t in dict.fromkeys(flat) if t not in kept]
             if len(missing) > self.KEPT_ROWS // 2:  # a long prompt: decoded at once, not kept
                 return self._decode(flat)
@@ -111,8 +111,8 @@ def load_quantized(
 ) -> nn.Module:
     """The model whose config is in ``folder`` with ``gguf_path``'s weights in speed mode
     ``mode`` ("gguf" or "gguf-q8") layout, on the CPU, in eval mode. ``own_skeleton``: build it
-    as selfspec's own module tree (``selfspec.skeleton``, for the fused kernel layers only) where
-    the family allows, instead of transformers' model class."""
+    as selfspec's own module tree (``selfspec.loading.skeleton``, for the fused kernel layers only)
+    where the family allows, instead of transformers' model class."""
     kernel = load_kernel()
     model = (build_skeleton(folder) if own_skeleton else None) or _skeleton(folder)
     gguf = read_gguf(gguf_path)
@@ -243,7 +243,7 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
     its panels built into a temporary folder instead (kept only while mapped)."""
 
     def build(out: Path) -> None:
-        _build_panels(model, sources, cls, out)
+        build_panels(model, sources, cls, out)
         (out / MARKER_FILE).write_text(json.dumps({"layout": layout_version(mode)}))
 
     if folder.resolve().is_relative_to(cache_dir().resolve()):
@@ -252,11 +252,11 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
         with contextlib.suppress(OSError):  # read-only: the lock, staging or publishing failed
             return _map_panels(build_entry(entry, label, build, lock=f"{folder.name}-{entry.name}"))
     with tempfile.TemporaryDirectory(prefix="selfspec-panels-") as work:
-        _build_panels(model, sources, cls, Path(work))
+        build_panels(model, sources, cls, Path(work))
         return _map_panels(Path(work))  # the mapping outlives the files
 
 
-def _build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:
+def build_panels(model: nn.Module, sources: list, cls, out: Path) -> None:
     """Decode and lay out every layer, a slice of rows at a time, appending to one file: memory
     holds one slice, not the model."""
     index = {}

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from selfspec.kernels import KERNEL_MAX_ROWS, load_kernel
-from selfspec.quantized import Q8Linear, QuantLinear
-from selfspec.speed import KERNEL_MODES, PackedLinear
+from selfspec.speed.modes import KERNEL_MODES, PackedLinear
+from selfspec.speed.quantized import Q8Linear, QuantLinear
 
 if TYPE_CHECKING:
     from torch import nn

