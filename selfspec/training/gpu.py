@@ -196,8 +196,8 @@ def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
     return prompts, answers, more
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m selfspec.training.gpu")
     parser.add_argument("model_dir")
     parser.add_argument("gguf_name")
     parser.add_argument("tokenizer_dir")
@@ -234,12 +234,13 @@ def main() -> None:
         help="heads of 1 or 2 layers, -soft: half the loss against the model's distribution",
     )
     args = parser.parse_args()
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.generate_seconds is None:
+        args.generate_seconds = 0 if args.answers else 150
+    return args
 
+
+def load_target(args: argparse.Namespace):
+    """transformers' model from the GGUF (bfloat16 on CUDA), its tokenizer, stop ids and pad id."""
     tok = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     model = AutoModelForCausalLM.from_pretrained(
         args.model_dir,
@@ -254,6 +255,17 @@ def main() -> None:
     eos.discard(None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     log(f"loaded: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, eos {eos}")
+    return model, tok, eos, pad
+
+
+def main() -> None:
+    args = parse_arguments()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, tok, eos, pad = load_target(args)
 
     def chat(text):
         return tok.apply_chat_template(
@@ -263,8 +275,6 @@ def main() -> None:
             return_dict=False,
         )
 
-    if args.generate_seconds is None:
-        args.generate_seconds = 0 if args.answers else 150
     prompts, answers, more = [], [], []
     for path in args.answers:  # first, so that their held-out answers stay those they had
         for kept, read in zip((prompts, answers, more), read_answers(path)):
