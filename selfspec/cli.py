@@ -94,12 +94,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-mlp", default=None, help="MLP sublayers to skip (overrides the plan)")
     p.add_argument(
         "--draft",
-        choices=["auto", "ngram", "layer-skip"],
+        choices=["auto", "ngram", "recycled", "layer-skip"],
         default="auto",
         help=(
-            "auto (default): context n-gram drafts, draft-head drafts and layer-skip drafts "
-            "with the plan where they pay, chosen each round from measured costs; ngram: context "
-            "drafts only; layer-skip: the plan's drafts every round"
+            "auto (default): context n-gram, draft-head, recycled and layer-skip drafts (with "
+            "the plan) where they pay, chosen each round from measured costs; ngram: context "
+            "drafts only; recycled: context drafts and the model's own earlier predictions; "
+            "layer-skip: the plan's drafts every round"
         ),
     )
     p.add_argument(
@@ -164,8 +165,9 @@ def _drafter_and_plan(engine, args: argparse.Namespace):
         return engine.model_drafter(args.draft_model), None
     if args.baseline:
         return None, None
-    if args.draft == "ngram":
-        return engine.self_drafter(layer_skip=False, heads=False), None
+    if args.draft in ("ngram", "recycled"):
+        recycled = args.draft == "recycled"
+        return engine.self_drafter(layer_skip=False, heads=False, recycled=recycled), None
     plan = resolve_plan(engine, args)
     if plan is None and args.draft == "layer-skip":
         name = engine.loaded.name

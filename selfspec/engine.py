@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
+from selfspec.drafters.recycled import RecycledDrafts
 from selfspec.errors import SelfSpecError
 from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
 from selfspec.paths import find_default_plan, find_heads
@@ -137,12 +138,13 @@ class Engine:
         plan: SkipPlan | None = None,
         layer_skip: bool = True,
         heads: bool | str | DraftHeads = True,
+        recycled: bool = True,
     ) -> AdaptiveDrafter:
         """The default drafter: context n-gram drafts, draft heads (``heads``: the model's own if
-        True, a file's, loaded ones, or none if False) and layer-skip drafts with ``plan``
-        (default: the model's plan, if it has one) where they pay, chosen round by round from
-        measured costs.
-        ``layer_skip=False``: no layer-skip drafts. Works without any plan or heads."""
+        True, a file's, loaded ones, or none if False), recycled drafts (the model's own earlier
+        predictions; none if ``recycled`` is False) and layer-skip drafts with ``plan`` (default:
+        the model's plan, if it has one) where they pay, chosen round by round from measured
+        costs. ``layer_skip=False``: no layer-skip drafts. Works without any plan or heads."""
         skipper = None
         if layer_skip:
             plan = plan or self.default_plan()
@@ -151,7 +153,10 @@ class Engine:
         if heads:
             found = self.resolve_heads(heads)
             head_drafter = HeadDrafter(self.runner, found, self.eos_ids()) if found else None
-        return AdaptiveDrafter(self.runner.head_rows, skipper, heads=head_drafter)
+        recycler = RecycledDrafts(self.runner) if recycled else None
+        return AdaptiveDrafter(
+            self.runner.head_rows, skipper, heads=head_drafter, recycled=recycler
+        )
 
     def default_heads(self) -> DraftHeads | None:
         """The draft heads trained for this model (``selfspec train-heads``), if any."""

@@ -1,6 +1,7 @@
 """The benchmarked methods: each runs one greedy generation and reports its tokens and times.
 
-selfspec's own (autoregressive, self_speculative, ngram, layer_skip, dual_model) run through the
+selfspec's own (autoregressive, self_speculative, ngram, recycled, heads, layer_skip, dual_model)
+run through the
 Engine; transformers' (hf_generate, hf_assisted, prompt_lookup) on the model exactly as
 transformers builds it; llama_cpp (plain decoding of the same .gguf) through llama-cpp-python
 when it is installed.
@@ -181,7 +182,12 @@ def _setup_self_speculative(ctx: BenchContext) -> None:
 
 
 def _setup_ngram(ctx: BenchContext) -> None:
-    ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False, heads=False)
+    ctx.state["ngram"] = ctx.engine.self_drafter(layer_skip=False, heads=False, recycled=False)
+
+
+def _setup_recycled(ctx: BenchContext) -> None:
+    # context drafts and recycled drafts: what any model drafts with, untrained and planless
+    ctx.state["recycled"] = ctx.engine.self_drafter(layer_skip=False, heads=False)
 
 
 def _setup_heads(ctx: BenchContext) -> None:
@@ -295,6 +301,7 @@ METHODS: dict[str, Method] = {
         Method("autoregressive", _run_autoregressive),
         Method("self_speculative", _drafter_run("self_speculative"), setup=_setup_self_speculative),
         Method("ngram", _drafter_run("ngram"), setup=_setup_ngram),
+        Method("recycled", _drafter_run("recycled"), setup=_setup_recycled),
         Method("heads", _drafter_run("heads"), setup=_setup_heads),
         Method("layer_skip", _drafter_run("layer_skip"), needs="plan", setup=_setup_layer_skip),
         Method("dual_model", _drafter_run("dual_model"), needs="draft", setup=_setup_dual_model),

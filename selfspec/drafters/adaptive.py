@@ -1,5 +1,6 @@
-"""The default drafter: free context drafts where the context repeats itself, layer-skip drafts
-where they pay, plain decoding otherwise, each round chosen from measured costs.
+"""The default drafter: free context drafts where the context repeats itself, draft-head, recycled
+and layer-skip drafts where they pay, plain decoding otherwise, each round chosen from measured
+costs.
 
 Per round, for every way to draft, the drafter estimates the tokens the round would emit (from
 the acceptance it has measured for that kind of draft) and what the round would cost (from the
@@ -27,6 +28,7 @@ from selfspec.drafters.pass_costs import PassCosts, RecentMedian
 if TYPE_CHECKING:
     from selfspec.drafters.heads import HeadDrafter
     from selfspec.drafters.layerskip import SelfSkipDrafter
+    from selfspec.drafters.recycled import RecycledDrafts
 
 _PRIOR_ACCEPTANCE = 0.6  # what a kind of draft is assumed to achieve before it is measured
 _PRIOR_WEIGHT = 2.0  # in rounds
@@ -136,8 +138,8 @@ class Acceptance:
 
 
 class AdaptiveDrafter(Drafter):
-    """Context n-gram drafts, draft-head drafts, layer-skip drafts (with a plan) or none, chosen
-    round by round."""
+    """Context n-gram drafts, draft-head drafts, recycled drafts, layer-skip drafts (with a plan) or
+    none, chosen round by round."""
 
     name = "self_speculative"
     # This drafter weighs costs itself every round, so its speed guard is only a backstop against a
@@ -153,6 +155,7 @@ class AdaptiveDrafter(Drafter):
         min_ngram: int = MIN_NGRAM,
         planned: bool = True,
         heads: HeadDrafter | None = None,
+        recycled: RecycledDrafts | None = None,
     ):
         """``planned=False``: draft every context match in full, without weighing costs (tests)."""
         super().__init__()
@@ -163,6 +166,9 @@ class AdaptiveDrafter(Drafter):
             self.head_acceptance = Acceptance(len(heads.heads), head_prior(heads.heads.info))
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.head_calibration = Calibration()  # head drafts' kept tokens / their chances' sum
+        self.recycled = recycled
+        self.recycled_calibration = Calibration()  # recycled drafts' kept tokens / chances' sum
+        self._recycled_chances: list[float] = []  # of the current round's recycled draft
         self.planned = planned
         self.plan = layer_skip.plan if layer_skip is not None else None
         self.index = ContextIndex(min_ngram=min_ngram)
@@ -174,7 +180,7 @@ class AdaptiveDrafter(Drafter):
         self.rounds = 0
         self.next_skip_probe = 0  # round at which layer-skip drafting is next tried regardless
         self.probe_gap = _PROBE_EVERY
-        self.next_cheap_probe = {"ngram": _CHEAP_PROBE_EVERY, "heads": _CHEAP_PROBE_EVERY}
+        self.next_cheap_probe = dict.fromkeys(("ngram", "heads", "recycled"), _CHEAP_PROBE_EVERY)
         self._steps = 0  # layer-skip draft steps of the current round
         self._ngram_n = 0
         # Context drafts of a new text are one token long until the text keeps one: the acceptance
@@ -186,6 +192,8 @@ class AdaptiveDrafter(Drafter):
         kinds = ["drafts from the context (n-gram lookup) where it repeats itself"]
         if self.heads is not None:
             kinds.append(f"draft heads where they pay ({self.heads.describe()})")
+        if self.recycled is not None:
+            kinds.append("the model's own earlier predictions where they pay (recycled)")
         if self.plan is not None:
             kinds.append(f"layer-skip drafts where they pay ({self.plan.describe()})")
         return ", else ".join(kinds) + ", chosen each round from measured costs"
@@ -224,6 +232,8 @@ class AdaptiveDrafter(Drafter):
         self.rounds += 1
         self._steps, self._ngram_n = 0, 0
         limit = min(request.max_tokens, self.max_tokens)
+        if self.recycled is not None:
+            self.recycled.absorb(request.committed)  # the last pass's predictions, every round
         if self.planned and self.costs.verify_cost(1) is None:
             return Draft()  # time a plain step first: plans need it
         self.index.sync(request.committed)
@@ -238,9 +248,32 @@ class AdaptiveDrafter(Drafter):
                 tokens = match.tokens[:k]
                 probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
                 return Draft(tokens, probs, source="ngram")
-        probe_due = self.layer_skip is not None and self.rounds >= self.next_skip_probe
-        heads = Draft() if probe_due else self._head_draft(request, limit)
-        return heads if heads.tokens else self._layer_skip_draft(request, limit)
+        if self.layer_skip is None or self.rounds < self.next_skip_probe:
+            draft = self._head_draft(request, limit)
+            if not draft.tokens:
+                draft = self._recycled_draft(request, limit)
+            if draft.tokens:
+                return draft
+        return self._layer_skip_draft(request, limit)
+
+    def _recycled_draft(self, request: DraftRequest, limit: int) -> Draft:
+        """The model's own earlier predictions walked from the pending token, as long as pays:
+        each token's chance (the model's probabilities back then, scaled by how far such chances
+        have come true) against the verify row it costs; they cost no pass."""
+        if self.recycled is None:
+            return Draft()
+        tokens, chances = self.recycled.chain(request.committed, limit)
+        k = len(tokens)
+        if self.planned and k:
+            calibration = self.recycled_calibration.value
+            gains = [calibration * c for c in chances]
+            k = most_tokens_per_second(gains, lambda n: self.costs.verify_cost(n + 1), 1.0)
+            k = self._or_probe("recycled", k)
+        if not k:
+            return Draft()
+        tokens, self._recycled_chances = tokens[:k], chances[:k]
+        probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
+        return Draft(tokens, probs, source="recycled")
 
     def _head_draft(self, request: DraftRequest, limit: int) -> Draft:
         """Draft-head tokens when their expected tokens per second beat a plain step's and the
@@ -348,6 +381,8 @@ class AdaptiveDrafter(Drafter):
                 steps = self.heads.last_steps  # guesses made, the one cut off included
                 seconds = outcome.draft_seconds * self.heads.guess_share  # without the setup
                 self.head_step.add(seconds / steps / self.costs.plain)
+        elif outcome.source == "recycled":
+            self.recycled_calibration.record(sum(self._recycled_chances), outcome.accepted)
         elif outcome.source == "layer_skip":
             self.skip.record(outcome.drafted, outcome.accepted)
             self.layer_skip.observe(outcome)

@@ -42,6 +42,34 @@ at::Tensor argmax_rows(at::Tensor logits) {
   return out;
 }
 
+std::vector<at::Tensor> top_probability_rows(at::Tensor logits) {
+  auto ids = argmax_rows(logits);
+  logits = logits.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1);
+  auto probs = at::empty({M}, at::kFloat);
+  float* pp = probs.data_ptr<float>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = logits.data_ptr<float>() + m * V;
+    const float top = x[ip[m]];
+    if (!std::isfinite(top)) {  // a row holding an infinity or a NaN: no probability to tell
+      pp[m] = 0.0f;
+      continue;
+    }
+    const vec shift = vset1(top);
+    vec sum = vzero();
+    int64_t i = 0;
+    for (; i + kVec <= V; i += kVec) sum = vadd(sum, vexp_nonpositive(vadd(vload(x + i), vneg(shift))));
+    alignas(64) float lanes[kVec];
+    vstore(lanes, sum);
+    float total = 0.0f;
+    for (int j = 0; j < kVec; ++j) total += lanes[j];
+    for (; i < V; ++i) total += std::exp(x[i] - top);
+    pp[m] = 1.0f / total;
+  }
+  return {ids, probs};
+}
+
 at::Tensor packed_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dtype() == at::kFloat && wp.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");

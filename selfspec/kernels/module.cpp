@@ -16,6 +16,7 @@ using namespace selfspec;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "per row, the first index of the largest value (torch.argmax)");
+  m.def("top_probability_rows", &top_probability_rows, "per row, argmax_rows and its softmax probability");
   m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");
   m.def("quant_linear", &quant_linear, "y = x @ W^T (+ bias), W as quantized 16-wide panels");
   m.def("dequantize_panels", &dequantize_panels, "quantized panels -> float32 [P, K, 16]");

@@ -18,6 +18,9 @@ struct QuantizedRows;  // activations rounded to 8 bits (q8.h)
 // torch.argmax gives, in two vector passes over the row (the maximum, then its first place)
 // instead of torch's scalar reduction. A row holding a NaN or an infinity goes to torch.argmax.
 at::Tensor argmax_rows(at::Tensor logits);
+// Per row, argmax_rows' index and that logit's softmax probability (1 / sum_j exp(x_j - max));
+// 0 for a row whose largest value is not finite.
+std::vector<at::Tensor> top_probability_rows(at::Tensor logits);
 // y = x @ W^T (+ bias), W as float32 panels [P, K, 16] (pack_weight).
 at::Tensor packed_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias);
 // The same with W as a GGUF file's integers in quantized panels (speed mode gguf).

@@ -165,6 +165,7 @@ class StaticRunner(ModelRunner):
                 last_only=True,
             )
             self.last_hidden = final[0]  # what draft heads read (drafters.heads)
+            self.keep_scored(ids, start, logits, vocab)
             return logits, captured
         logits, captured, final = [], [], []
         for offset in range(0, n, PASS_ROWS):
@@ -186,6 +187,7 @@ class StaticRunner(ModelRunner):
             final.append(part_final)
         self.last_hidden = (final[0] if len(final) == 1 else torch.cat(final, dim=1))[0]
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)
+        self.keep_scored(ids, start, logits, vocab)
         if capture_at is None:
             return logits, None
         return logits, captured[0] if len(captured) == 1 else torch.cat(captured, dim=1)

@@ -72,6 +72,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 
 
 @dataclass
+class ScoredRows:
+    """A pass's rows scored over the whole vocabulary: row i read ``ids[i]`` at position
+    ``start + i`` and its logits score the token after it (what recycled drafts learn from)."""
+
+    start: int
+    ids: list[int]
+    logits: torch.Tensor
+
+
+@dataclass
 class Resume:
     """Hidden states entering sublayer ``sublayer`` for the first rows of the next pass's tokens."""
 
@@ -92,6 +102,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.cache: KVCache | None = None
         self.last_hidden: torch.Tensor | None = None  # [rows, hidden]: the last pass's final states
+        self.last_scored: ScoredRows | None = None  # the last pass's rows over the whole vocabulary
         # [scored rows, hidden]: the last forward_many's final states (what batch head drafts read)
         self.last_rows_hidden: torch.Tensor | None = None
         self.context_window = getattr(self.model.config, "max_position_embeddings", None)
@@ -170,6 +181,7 @@ class ModelRunner:
         ``last_rows_hidden``."""
         a, m = self.adapter, len(tokens)
         self.last_hidden = None  # rows of several sequences: not one sequence's to draft from
+        self.last_scored = None
         hidden = a.embed(torch.tensor(tokens, device=self.device).view(1, m))
         cos, sin = a.position_embeddings(
             hidden, torch.tensor(positions, device=self.device).view(1, m)
@@ -249,7 +261,18 @@ class ModelRunner:
         if last_logits_only:  # prefill: the head over every prompt token would be wasted work
             hidden = hidden[:, -1:]
         self.last_hidden = hidden[0]  # what draft heads read (drafters.heads)
-        return a.logits(hidden, vocab)[0].float(), captured
+        logits = a.logits(hidden, vocab)[0].float()
+        self.keep_scored(ids[0], start, logits, vocab)
+        return logits, captured
+
+    def keep_scored(self, ids: torch.Tensor, start: int, logits: torch.Tensor, vocab) -> None:
+        """Keep a pass's logits [rows, vocab] over its last rows (``last_scored``), unless they
+        score a draft's ids only (``vocab``)."""
+        if vocab is not None:
+            self.last_scored = None
+            return
+        first = ids.shape[0] - logits.shape[0]
+        self.last_scored = ScoredRows(start + first, ids[first:].tolist(), logits)
 
     def _run(self, ids, start, first, stop, skip_attention, skip_mlp, hidden, capture_at):
         """Run sublayers [first, stop) over ``hidden`` (embedding ``ids`` if None)."""

@@ -1,0 +1,156 @@
+"""Recycled drafts (selfspec.drafters.recycled): the model's own earlier predictions. The table
+learns only from rows that read committed tokens, prefers the pair of tokens to the token alone,
+stays bounded; the drafts are lossless in greedy decoding and in sampling."""
+
+import pytest
+import torch
+
+from selfspec.drafters import AdaptiveDrafter
+from selfspec.drafters.recycled import RecycledDrafts, RecycledTable
+from selfspec.kernels import kernel_available, load_kernel
+from selfspec.runtime.runner import ScoredRows
+from selfspec.runtime.sampling import Sampling, top_probability_rows
+
+VOCAB = 16
+
+
+def rows(start, ids, following, sure=8.0):
+    """Logits whose top token after ids[i] is following[i]."""
+    logits = torch.zeros(len(ids), VOCAB)
+    for i, token in enumerate(following):
+        logits[i, token] = sure
+    return ScoredRows(start, ids, logits)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built")
+def test_the_kernel_s_top_probabilities_are_torch_s_softmax():
+    load_kernel()
+    logits = torch.randn(3, 151936, generator=torch.Generator().manual_seed(0)) * 4
+    logits[1, 77] = logits[1, 78] = 30.0  # two equal maxima: the first, as torch.argmax
+    ids, probs = top_probability_rows(logits)
+    expected, expected_ids = torch.softmax(logits, dim=-1).max(dim=-1)
+    assert ids == expected_ids.tolist() and ids[1] == 77
+    assert probs == pytest.approx(expected.tolist(), rel=1e-5)
+    logits[2, 5] = float("inf")  # nothing to tell: probability 0
+    assert top_probability_rows(logits)[1][2] == 0.0
+
+
+def test_only_rows_that_read_committed_tokens_are_learnt():
+    table = RecycledTable()
+    committed = [1, 2, 3, 4, 5, 9]  # the pass read 3, 4, 5, 6 at positions 2..5: 6 was rejected
+    assert table.absorb(committed, rows(2, [3, 4, 5, 6], [4, 5, 9, 11])) == 3
+    assert table.next_token(None, 5)[0] == 9 and table.next_token(None, 6) is None
+    assert table.next_token(2, 3)[0] == 4  # the pair (token before, token) too
+    assert table.next_token(None, 5)[1] == pytest.approx(
+        torch.softmax(rows(0, [0], [9]).logits[0], 0)[9]
+    )
+
+
+def test_a_pair_it_knows_wins_over_the_token_alone():
+    table = RecycledTable()
+    table.record(1, 7, following=2, probability=0.9)
+    table.record(3, 7, following=5, probability=0.9)  # the token alone: its latest prediction
+    assert table.next_token(1, 7)[0] == 2 and table.next_token(3, 7)[0] == 5
+    assert table.next_token(4, 7)[0] == 5 and table.next_token(None, 7)[0] == 5
+
+
+def test_chains_walk_the_table_and_stop_where_the_chance_falls_too_low():
+    table = RecycledTable()
+    table.record(None, 1, following=2, probability=0.9)
+    table.record(1, 2, following=3, probability=0.5)
+    table.record(2, 3, following=4, probability=0.05)  # 0.9 * 0.5 * 0.05 < MIN_CHANCE
+    tokens, chances = table.chain(0, 1, limit=8)
+    assert tokens == [2, 3] and chances == pytest.approx([0.9, 0.45])
+    assert table.chain(0, 1, limit=1)[0] == [2]
+    table.record(None, 8, following=9, probability=0.01)
+    assert table.chain(None, 8, limit=4)[0] == [9]  # the first is always given
+    assert table.chain(None, 15, limit=4) == ([], [])
+
+
+def test_pairs_kept_are_bounded_the_oldest_written_going_first():
+    table = RecycledTable(max_pairs=2)
+    for before in range(3):
+        table.record(before, 7, following=before, probability=0.5)
+    assert list(table.by_pair) == [(1, 7), (2, 7)]
+
+
+def recycled_drafter(engine, table=None, planned=False):
+    """Recycled drafts only (the context index needs 5-grams that this text never repeats)."""
+    recycled = RecycledDrafts(engine.runner, table)
+    vocab = engine.runner.head_rows
+    return AdaptiveDrafter(vocab, planned=planned, min_ngram=5, max_tokens=3, recycled=recycled)
+
+
+def wrong_table(seed=0) -> RecycledTable:
+    """A table that knows a random next token after every token: mostly wrong drafts."""
+    generator = torch.Generator().manual_seed(seed)
+    table = RecycledTable()
+    for token in range(64):
+        table.record(None, token, int(torch.randint(64, (1,), generator=generator)), 0.9)
+    return table
+
+
+def test_greedy_with_recycled_drafts_is_identical_to_plain_decoding(tiny_llama):
+    prompt = [5, 17, 33, 2, 9, 41, 12, 5, 17, 60, 3]
+    plain = tiny_llama.generate(prompt, None, max_new_tokens=40)
+    drafter = recycled_drafter(tiny_llama, wrong_table())
+    drafted = accepted = 0
+    for _ in range(2):  # the second generation starts from what the first learnt
+        out = tiny_llama.generate(prompt, drafter, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids
+        _, d, a = out.stats.sources["recycled"]
+        drafted, accepted = drafted + d, accepted + a
+    assert drafted > accepted > 0  # kept and rejected drafts both ran
+    assert drafter.recycled.learnt_rows > 40
+
+
+@pytest.mark.slow
+def test_greedy_recycled_drafts_of_a_real_model_are_plain_decoding_s(smollm2):
+    ids = smollm2.encode("List the planets of the solar system, one per line.", chat=True)
+    plain = smollm2.generate(ids, None, max_new_tokens=64)
+    drafter = smollm2.self_drafter(layer_skip=False, heads=False)
+    for _ in range(2):
+        out = smollm2.generate(ids, drafter, max_new_tokens=64)
+        assert out.token_ids == plain.token_ids
+    assert out.stats.sources["recycled"][2] > 0  # the second time, its own text was known
+
+
+@pytest.fixture
+def sharper_tiny(tiny_llama, sharpened_head):
+    with sharpened_head(tiny_llama, 30.0):
+        yield tiny_llama
+
+
+@pytest.mark.slow  # thousands of seeded generations
+def test_sampling_with_recycled_drafts_matches_the_target(sharper_tiny, monkeypatch):
+    """Recycled drafts are certain (q = 1 for the drafted token), as context drafts are: the
+    second token's distribution is the target's, and with the rule broken it is not."""
+    from test_sampling import assert_keeps_target_distribution
+
+    engine = sharper_tiny
+    sampling = Sampling(temperature=1.0)
+    prompt = [5, 17, 33, 2, 9, 41, 12]
+    table = RecycledTable()  # every token's next after the prompt: often, not always, right
+    with torch.inference_mode():
+        for token in range(64):
+            probs = torch.softmax(engine.loaded.model(torch.tensor([prompt + [token]])).logits, -1)
+            top, following = probs[0, -1].max(-1)
+            table.record(None, token, int(following), float(top))
+
+    def second_tokens(n=1500):
+        config = engine.decode_config(
+            None, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=3
+        )
+        config.eos_token_ids = ()
+        counts = torch.zeros(64)
+        drafted = accepted = 0
+        for seed in range(n):
+            config.seed = seed
+            out = engine.generate(prompt, recycled_drafter(engine, table), config=config)
+            counts[out.token_ids[1]] += 1
+            _, d, a = out.stats.sources.get("recycled", (0, 0, 0))
+            drafted, accepted = drafted + d, accepted + a
+        assert drafted > 0.9 * n and 0.1 * drafted < accepted < 0.9 * drafted  # judged, both ways
+        return counts
+
+    assert_keeps_target_distribution(engine, prompt, sampling, second_tokens, monkeypatch)
