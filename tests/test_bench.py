@@ -69,6 +69,7 @@ def test_bench_end_to_end_outputs(bench_run):
         "autoregressive",
         "self_speculative",
         "ngram",
+        "recycled",
         "heads",
         "layer_skip",
         "dual_model",
