@@ -328,7 +328,12 @@ def own_text(engine, sampling, length, seed=1):
     return tokens
 
 
-def second_token_counts(engine, prompt, sampling, n):
+def second_token_counts(
+    engine, prompt, sampling, n, make_drafter=None, source="ngram", kept=(0.2, 0.8)
+):
+    """How often each token came second in ``n`` seeded generations of 3 tokens, each with a new
+    ``make_drafter()`` (default: context drafts of every match); its ``source`` drafts must have
+    run in most of them and been judged both ways (a share ``kept`` of them accepted)."""
     config = engine.decode_config(
         None, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=3
     )
@@ -337,11 +342,16 @@ def second_token_counts(engine, prompt, sampling, n):
     drafted = accepted = 0
     for seed in range(n):
         config.seed = seed
-        drafter = AdaptiveDrafter(64, planned=False, min_ngram=1, max_tokens=3)
+        if make_drafter is None:
+            drafter = AdaptiveDrafter(64, planned=False, min_ngram=1, max_tokens=3)
+        else:
+            drafter = make_drafter()
         out = engine.generate(prompt, drafter, config=config)
         counts[out.token_ids[1]] += 1
-        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
-    assert drafted > 0.9 * n and 0.2 * drafted < accepted < 0.8 * drafted  # judged, both ways
+        _, d, a = out.stats.sources.get(source, (0, 0, 0))
+        drafted, accepted = drafted + d, accepted + a
+    low, high = kept
+    assert drafted > 0.9 * n and low * drafted < accepted < high * drafted  # judged, both ways
     return counts
 
 

@@ -125,6 +125,7 @@ def sharper_tiny(tiny_llama, sharpened_head):
 def test_sampling_with_recycled_drafts_matches_the_target(sharper_tiny, monkeypatch):
     """Recycled drafts are certain (q = 1 for the drafted token), as context drafts are: the
     second token's distribution is the target's, and with the rule broken it is not."""
+    from test_drafting import second_token_counts
     from test_sampling import assert_keeps_target_distribution
 
     engine = sharper_tiny
@@ -137,20 +138,8 @@ def test_sampling_with_recycled_drafts_matches_the_target(sharper_tiny, monkeypa
             top, following = probs[0, -1].max(-1)
             table.record(None, token, int(following), float(top))
 
-    def second_tokens(n=1500):
-        config = engine.decode_config(
-            None, max_new_tokens=3, sampling=sampling, fallback=False, max_draft_tokens=3
-        )
-        config.eos_token_ids = ()
-        counts = torch.zeros(64)
-        drafted = accepted = 0
-        for seed in range(n):
-            config.seed = seed
-            out = engine.generate(prompt, recycled_drafter(engine, table), config=config)
-            counts[out.token_ids[1]] += 1
-            _, d, a = out.stats.sources.get("recycled", (0, 0, 0))
-            drafted, accepted = drafted + d, accepted + a
-        assert drafted > 0.9 * n and 0.1 * drafted < accepted < 0.9 * drafted  # judged, both ways
-        return counts
+    def second_tokens():
+        make = lambda: recycled_drafter(engine, table)  # noqa: E731
+        return second_token_counts(engine, prompt, sampling, 1500, make, "recycled", (0.1, 0.9))
 
     assert_keeps_target_distribution(engine, prompt, sampling, second_tokens, monkeypatch)
