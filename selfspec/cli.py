@@ -17,11 +17,13 @@ import threading
 import selfspec  # noqa: F401  (sets MKL_CBWR before torch is imported)
 from selfspec.cliargs import (
     add_model_arguments,
+    add_sampling_arguments,
     check_at_least,
     load_engine,
     read_prompt,
     resolve_heads,
     resolve_plan,
+    sampling_from,
 )
 from selfspec.errors import SelfSpecError
 from selfspec.loading.models import DEFAULT_MODEL
@@ -133,10 +135,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         help="stop after this many new tokens at the latest (default 1024: a whole answer; EOS "
         "ends it sooner)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p, seed_default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
@@ -203,10 +202,9 @@ def _stats_line(method: str, result) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from selfspec.runtime.decode import check_request
-    from selfspec.runtime.sampling import Sampling
 
     prompt = read_prompt(args.prompt)
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from(args)
     check_at_least("--max-draft", args.max_draft, 1)
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     engine = load_engine(args, _generate_model(args))

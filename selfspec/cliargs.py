@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
     from selfspec.runtime.plan import SkipPlan
+    from selfspec.runtime.sampling import Sampling
 
 SPEED_HELP = (
     "weight layout and kernels: packed (selfspec's CPU kernel, float32), gguf (the same results "
@@ -73,6 +74,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser, purpose: str) -> None:
     parser.add_argument(
         "--skip-mlp", default=None, help="MLP sublayers to skip (overrides the plan)"
     )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, seed_default: int | None) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=seed_default)
+
+
+def sampling_from(args: argparse.Namespace) -> Sampling:
+    from selfspec.runtime.sampling import Sampling
+
+    return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:

@@ -134,6 +134,13 @@ CLI_ROWS = [
     ),
     ("bench limit 0", ["bench", *M, "--limit", "0"], None, "--limit must be at least 1"),
     ("bench unknown method", ["bench", *M, "--methods", "warp_drive"], None, "warp_drive"),
+    ("bench negative temperature", ["bench", *M, "--temperature", "-1"], None, "--temperature"),
+    (
+        "bench sampling with transformers' methods",
+        ["bench", *M, "--temperature", "0.7", "--limit", "1", "--methods", "hf_generate"],
+        None,
+        "hf_generate cannot sample alongside selfspec's methods",
+    ),
     ("profile no repeats", ["profile", *M, "--repeats", "0"], None, "--repeats"),
     ("profile rows past 64", ["profile", *M, "--rows", "1,128"], None, "--rows: give pass sizes"),
     ("profile rows not numbers", ["profile", *M, "--rows", "a"], None, "not a number of tokens"),

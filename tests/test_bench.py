@@ -245,6 +245,52 @@ def test_cli_bench_json_and_files(tmp_path, capsys):
     ]
 
 
+@pytest.mark.slow
+def test_a_sampled_bench_records_its_sampling_and_compares_no_outputs(smollm2):
+    """At a temperature each method draws its randomness its own way: speeds only, the same seed
+    for every generation, and no identity claimed either way."""
+    from selfspec.runtime.sampling import Sampling
+
+    sampling = Sampling(temperature=0.8, top_p=0.95)
+    result = bench.run_bench(
+        smollm2,
+        ["def add(a, b):", "The capital of France is"],
+        ["autoregressive", "self_speculative"],
+        max_new_tokens=12,
+        chat=False,
+        progress=False,
+        baseline=False,
+        sampling=sampling,
+        seed=3,
+    )
+    assert result["config"]["sampling"] == {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 0,
+        "seed": 3,
+    }
+    for method in result["methods"].values():
+        assert (
+            method["identical_to_baseline"] is None and "identical_to_autoregressive" not in method
+        )
+        assert method["tokens_per_second"] > 0
+    md = bench.format_markdown(result)
+    assert "sampled at temperature 0.8" in md and "**NO**" not in md
+    again = bench.run_bench(
+        smollm2,
+        ["def add(a, b):"],
+        ["autoregressive"],
+        max_new_tokens=12,
+        chat=False,
+        progress=False,
+        baseline=False,
+        sampling=sampling,
+        seed=3,
+    )  # the same seed: the same draws, the same tokens
+    first = result["prompts"][0]["methods"]["autoregressive"]["new_tokens"]
+    assert again["prompts"][0]["methods"]["autoregressive"]["new_tokens"] == first
+
+
 def test_cli_rejects_unknown_method(capsys):
     assert main(["bench", "--model", "smollm2-135m", "--methods", "autoregressive,warp_drive"]) == 2
     err = capsys.readouterr().err

@@ -13,10 +13,12 @@ from selfspec.bench.run import run_bench
 from selfspec.cliargs import (
     add_model_arguments,
     add_plan_arguments,
+    add_sampling_arguments,
     check_at_least,
     load_engine,
     resolve_heads,
     resolve_plan,
+    sampling_from,
 )
 from selfspec.errors import SelfSpecError
 from selfspec.loading.sources import DEFAULT_DRAFT_MODEL
@@ -65,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of the Markdown table"
     )
+    add_sampling_arguments(parser, seed_default=0)
     parser.add_argument(
         "--no-hf-baseline",
         action="store_true",
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     check_at_least("--repeats", args.repeats, 1)
     methods = _methods(args.methods)
+    sampling = sampling_from(args)  # bad values fail before the model loads
     prompts = load_prompts(args.prompts, limit=args.limit)
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
@@ -120,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
             "heads": args.heads or "the model's own, if any",
         },
         baseline=not args.no_hf_baseline,
+        sampling=sampling,
+        seed=args.seed,
     )
     if args.out:
         written = write_outputs(result, args.out)

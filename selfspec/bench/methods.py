@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from selfspec.loading.models import LoadedModel
     from selfspec.runtime.decode import DecodeStats
     from selfspec.runtime.plan import SkipPlan
+    from selfspec.runtime.sampling import Sampling
 
 BASELINE = "hf_generate"  # every speedup and identity check refers to it
 PROMPT_LOOKUP_TOKENS = 10
@@ -64,6 +65,8 @@ class BenchContext:
     hf_draft: LoadedModel | None = None
     threads: int | None = None  # llama_cpp's threads (None: torch's, which selfspec runs with)
     heads: bool | str | DraftHeads = True  # draft heads: the model's (True), a file's, or none
+    sampling: Sampling | None = None  # None: greedy
+    seed: int = 0  # every sampled generation's seed, so each method meets the same draws first
     state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
 
 
@@ -153,7 +156,13 @@ def _run_prompt_lookup(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
 
 
 def _engine_run(ctx: BenchContext, prompt_ids: list[int], drafter: Drafter | None) -> MethodRun:
-    result = ctx.engine.generate(list(prompt_ids), drafter, max_new_tokens=ctx.max_new_tokens)
+    result = ctx.engine.generate(
+        list(prompt_ids),
+        drafter,
+        max_new_tokens=ctx.max_new_tokens,
+        sampling=ctx.sampling,
+        seed=ctx.seed,
+    )
     stats = result.stats
     return MethodRun(
         result.token_ids, stats.seconds, stats, first_token_seconds=stats.prefill_seconds

@@ -26,6 +26,16 @@ def _fmt(value, kind: str = "") -> str:
     return str(value)
 
 
+def _decoding(config: dict) -> str:
+    s = config.get("sampling")
+    if not s:
+        return "greedy"
+    return (
+        f"sampled at temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}, "
+        f"seed {s['seed']}; outputs not compared"
+    )
+
+
 def _header(result: dict) -> list[str]:
     m, c = result["machine"], result["config"]
     count = len(c["categories"])
@@ -41,9 +51,9 @@ def _header(result: dict) -> list[str]:
         + (f"; draft model: {c['draft_model']}" if c.get("draft_model") else ""),
         f"- plan: {c['plan_summary'] or 'none'}",
         f"- {c['prompts']} prompt(s) in {count} categor{'y' if count == 1 else 'ies'}, up to "
-        f"{c['max_new_tokens']} new tokens (greedy, EOS {c['eos_token_ids']}), {c['repeats']} "
-        f"repeat(s), chat template {'on' if c['chat_template'] else 'off'}; methods interleaved "
-        "prompt by prompt after one warm-up each",
+        f"{c['max_new_tokens']} new tokens ({_decoding(c)}, EOS {c['eos_token_ids']}), "
+        f"{c['repeats']} repeat(s), chat template {'on' if c['chat_template'] else 'off'}; "
+        "methods interleaved prompt by prompt after one warm-up each",
         f"- speedups: {c['speedup_method']}; decode: the decoding phase alone (the tokens after "
         "the first over the time after the first), which long prompts' prefill does not drown",
         "",

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from selfspec.drafters.heads import DraftHeads
     from selfspec.engine import Engine
     from selfspec.runtime.plan import SkipPlan
+    from selfspec.runtime.sampling import Sampling
 
 PHASES = ("target", "draft", "gguf")
 
@@ -192,6 +193,18 @@ def _choose(
     return dict(METHODS, **custom), chosen, notes
 
 
+def _check_sampled_methods(registry: dict[str, Method], chosen: list[str]) -> None:
+    """Sampled benches run selfspec's own methods only: transformers' and llama.cpp's samplers
+    draw differently, so their speed would not compare."""
+    others = [m for m in chosen if registry[m].transformers or not registry[m].checks_identity]
+    if others:
+        raise SelfSpecError(
+            f"--temperature: {', '.join(others)} cannot sample alongside selfspec's methods; "
+            "pass --no-hf-baseline and --methods without them, e.g. "
+            "--methods autoregressive,self_speculative."
+        )
+
+
 def _numerics(engine: Engine, notes: list[str]) -> str | None:
     """How selfspec's speed mode changes the numerics, if it does (said in a note too)."""
     from selfspec.speed.modes import numerics_note
@@ -313,6 +326,13 @@ def _measure(
         bar.close()
 
 
+def _sampling_config(ctx: BenchContext) -> dict | None:
+    if ctx.sampling is None:
+        return None
+    s = ctx.sampling
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": ctx.seed}
+
+
 def _config(ctx: BenchContext, setup: _Setup, extra: dict | None) -> dict:
     plan = ctx.plan
     return {
@@ -330,6 +350,7 @@ def _config(ctx: BenchContext, setup: _Setup, extra: dict | None) -> dict:
         "chat_template": setup.chat,
         "threads": ctx.threads,
         "methods": setup.chosen,
+        "sampling": _sampling_config(ctx),
         "baseline": BASELINE,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
         "memory_method": MEMORY_METHOD,
@@ -357,6 +378,8 @@ def run_bench(
     notes: list[str] | None = None,
     config_extra: dict | None = None,
     baseline: bool = True,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> dict:
     """Benchmark ``methods`` on ``prompts`` (selfspec.prompts.Prompt objects or plain strings).
 
@@ -372,6 +395,9 @@ def run_bench(
     ``custom_methods``: extra methods, name -> Method or callable(ctx, prompt_ids) -> MethodRun;
     a test can register a deliberately broken one to see it reported as not identical.
     ``chat``: wrap prompts in the chat template (None: when the tokenizer has one).
+    ``sampling``: sample (with ``seed`` for every generation) instead of greedy decoding: only
+    selfspec's own methods run, and no output is checked for identity (each method draws its
+    randomness differently; that sampling keeps the target's distribution is tested).
     Returns the result dict that ``format_markdown`` and ``write_outputs`` take.
     """
     import torch
@@ -386,6 +412,9 @@ def run_bench(
     registry, chosen, skipped = _choose(
         engine, methods, plan, draft_name, custom_methods, explicit, baseline
     )
+    sampled = sampling is not None and not sampling.greedy
+    if sampled:
+        _check_sampled_methods(registry, chosen)
     notes = [*(notes or []), *skipped]
     numerics = _numerics(engine, notes)
     chat = bool(getattr(engine.tokenizer, "chat_template", None)) if chat is None else chat
@@ -396,9 +425,13 @@ def run_bench(
     ctx = BenchContext(
         engine, max_new_tokens, engine.eos_ids(), plan=plan, threads=threads, heads=heads
     )
+    if sampled:
+        ctx.sampling, ctx.seed = sampling, seed
     ctx.state["llama_ctx"] = max(len(ids) for ids in setup.encoded) + max_new_tokens + 16
     peak_rss, runs = _measure(ctx, setup, progress)
-    result = summarize(prompts, setup.encoded, chosen, registry, runs, peak_rss)
+    result = summarize(
+        prompts, setup.encoded, chosen, registry, runs, peak_rss, check_identity=not sampled
+    )
     result["machine"] = describe_machine(engine)
     result["machine"]["process_peak_rss_mb"] = round(process_peak_rss_mb(), 1)
     result["config"] = _config(ctx, setup, config_extra)

@@ -202,13 +202,17 @@ def summarize(
     registry: dict[str, Method],
     runs: dict[str, list[list[MethodRun]]],
     peak_rss: dict[str, float],
+    check_identity: bool = True,
 ) -> dict:
-    """The result's "methods" (overall and per category) and "prompts" (per prompt) parts."""
+    """The result's "methods" (overall and per category) and "prompts" (per prompt) parts.
+    ``check_identity=False`` (sampled runs): no output is compared with another."""
     table: dict[str, list[dict]] = {name: [] for name in chosen}
     per_prompt = []
     for i, prompt in enumerate(prompts):
         base = runs[BASELINE][i][0].token_ids if BASELINE in runs else None
         plain = runs["autoregressive"][i][0].token_ids if "autoregressive" in runs else None
+        if not check_identity:
+            base = plain = None
         entries = {name: _entry(registry[name], runs[name][i], base, plain) for name in chosen}
         for name, entry in entries.items():
             table[name].append(entry)
