@@ -7,18 +7,22 @@ tests can fail.
 import pytest
 import torch
 
+from selfspec.kernels import kernel_available, load_kernel
 from selfspec.runtime import decode
 from selfspec.runtime.draft_vocab import DraftVocab
-from selfspec.runtime.sampling import Sampling, accept_sampled, sample
+from selfspec.runtime.sampling import Sampling, accept_certain, accept_sampled, sample
 
 SIGNIFICANCE = 1e-3
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of observed counts under probs (bins with expected < 5 are pooled)."""
+    """P-value of observed counts under probs. Bins with expected < 5 are pooled, and a pool
+    still under 5 joins the smallest bin, so that every cell the statistic sums expects >= 5."""
     n = counts.sum()
     expected = probs * n
     big = expected >= 5
+    if expected[~big].sum() < 5 and big.sum() > 1:
+        big[torch.where(big, expected, torch.inf).argmin()] = False
     obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
     exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
     keep = exp > 0
@@ -55,6 +59,53 @@ def test_acceptance_rule_reproduces_target_distribution():
     assert chi_square_p_value(counts, p) > SIGNIFICANCE
     broken = first_token_counts(broken_accept, p, q, 8000)
     assert chi_square_p_value(broken, p) < SIGNIFICANCE
+
+
+def certain_first_token_counts(logits, sampling, draft, n, broken=False, seed=0):
+    """The first token emitted after a certain draft of ``draft`` ([d1]) over ``n`` draws through
+    the kernel's rule; ``broken``: on a miss, draw from p itself (d1 left in)."""
+    kernel = load_kernel()
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(logits.shape[-1])
+    rows = torch.stack([logits, logits])
+    for _ in range(n):
+        if broken:
+            top, total = (t.tolist() for t in kernel.softmax_partition(rows, sampling.temperature))
+            p = torch.softmax(logits / sampling.temperature, -1)[draft[0]]
+            if float(torch.rand((), generator=gen)) <= p:
+                m, token = 1, None
+            else:
+                u = float(torch.rand((), generator=gen))
+                m, token = (
+                    0,
+                    kernel.sample_row(logits, sampling.temperature, top[0], total[0], u, -1),
+                )
+        else:
+            m, token = accept_certain(draft, rows, sampling, gen)
+        counts[draft[0] if m == 1 else token] += 1
+    return counts
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CPU kernel cannot be built")
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.5])
+def test_the_kernel_s_rule_for_certain_drafts_reproduces_the_target_distribution(temperature):
+    """A draft proposed with certainty (q = 1) is kept with probability p, and a miss draws from p
+    without it: the first token emitted follows p. Drawing a miss from p itself must fail."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, generator=gen) * 2  # more than one vector of lanes, and a tail
+    sampling = Sampling(temperature=temperature)
+    p = torch.softmax(logits / temperature, -1)
+    draft = [int(torch.argmax(p))]
+    assert chi_square_p_value(certain_first_token_counts(logits, sampling, draft, 8000), p) > (
+        SIGNIFICANCE
+    )
+    broken = certain_first_token_counts(logits, sampling, draft, 8000, broken=True)
+    assert chi_square_p_value(broken, p) < SIGNIFICANCE
+    # with no draft, a plain draw from p
+    counts = torch.zeros(40)
+    for _ in range(8000):
+        counts[sampling.pick(logits, gen)] += 1
+    assert chi_square_p_value(counts, p) > SIGNIFICANCE
 
 
 def test_top_k_top_p_warping():
@@ -118,6 +169,8 @@ def assert_keeps_target_distribution(engine, prompt, sampling, second_tokens, mo
     exact = exact_second_token_marginal(engine, prompt, sampling)
     assert chi_square_p_value(second_tokens(), exact) > SIGNIFICANCE
     monkeypatch.setattr(decode, "accept_sampled", broken_accept)
+    # certain drafts (context, recycled) then go the way of every draft, to the broken rule
+    monkeypatch.setattr(decode, "accept_certain", lambda *args: None)
     assert chi_square_p_value(second_tokens(), exact) < SIGNIFICANCE
 
 

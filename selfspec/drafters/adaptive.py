@@ -20,7 +20,6 @@ from selfspec.drafters.base import (
     DraftRequest,
     DraftSettings,
     RoundOutcome,
-    point_masses,
 )
 from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
 from selfspec.drafters.pass_costs import PassCosts, RecentMedian
@@ -246,8 +245,7 @@ class AdaptiveDrafter(Drafter):
             if k:
                 self._ngram_n = match.ngram
                 tokens = match.tokens[:k]
-                probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
-                return Draft(tokens, probs, source="ngram")
+                return Draft(tokens, source="ngram")  # certain: q = 1 on each token
         if self.layer_skip is None or self.rounds < self.next_skip_probe:
             draft = self._head_draft(request, limit)
             if not draft.tokens:
@@ -272,8 +270,7 @@ class AdaptiveDrafter(Drafter):
         if not k:
             return Draft()
         tokens, self._recycled_chances = tokens[:k], chances[:k]
-        probs = None if request.sampling.greedy else point_masses(tokens, self.vocab)
-        return Draft(tokens, probs, source="recycled")
+        return Draft(tokens, source="recycled")  # certain: q = 1 on each token
 
     def _head_draft(self, request: DraftRequest, limit: int) -> Draft:
         """Draft-head tokens when their expected tokens per second beat a plain step's and the

@@ -35,7 +35,8 @@ class DraftRequest:
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    # [len(tokens), vocab]: q each token was drawn from (sampling only)
+    # [len(tokens), vocab]: q each token was drawn from (sampling only); None: the tokens were
+    # proposed with certainty (copied from the context or a table: q = 1 on each)
     probs: torch.Tensor | None = None
     # hidden states the verify pass can start from (self-drafting only)
     resume: Resume | None = None

@@ -70,6 +70,86 @@ std::vector<at::Tensor> top_probability_rows(at::Tensor logits) {
   return {ids, probs};
 }
 
+std::vector<at::Tensor> softmax_partition(at::Tensor logits, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == at::kFloat, "logits must be [M, V] float32");
+  TORCH_CHECK(temperature > 0, "temperature must be positive");
+  logits = logits.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1);
+  auto tops = at::empty({M}, at::kFloat), totals = at::empty({M}, at::kFloat);
+  float *tp = tops.data_ptr<float>(), *sp = totals.data_ptr<float>();
+  const vec scale = vset1(static_cast<float>(1.0 / temperature));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = logits.data_ptr<float>() + m * V;
+    vec best = vset1(-INFINITY);
+    int64_t i = 0;
+    for (; i + kVec <= V; i += kVec) best = vmax(best, vload(x + i));
+    alignas(64) float lanes[kVec];
+    vstore(lanes, best);
+    float top = -INFINITY;
+    for (int j = 0; j < kVec; ++j) top = std::max(top, lanes[j]);
+    for (; i < V; ++i) top = std::max(top, x[i]);
+    tp[m] = top;
+    if (!std::isfinite(top)) {  // NaN or infinity: the caller goes to torch
+      sp[m] = NAN;
+      continue;
+    }
+    const vec shift = vset1(top);
+    vec sum = vzero();
+    for (i = 0; i + kVec <= V; i += kVec) sum = vadd(sum, vexp_nonpositive(vmul(vadd(vload(x + i), vneg(shift)), scale)));
+    vstore(lanes, sum);
+    float total = 0.0f;
+    for (int j = 0; j < kVec; ++j) total += lanes[j];
+    for (; i < V; ++i) total += std::exp((x[i] - top) / static_cast<float>(temperature));
+    sp[m] = total;
+  }
+  return {tops, totals};
+}
+
+int64_t sample_row(at::Tensor row, double temperature, double top, double total, double u, int64_t excluded) {
+  TORCH_CHECK(row.dim() == 1 && row.dtype() == at::kFloat, "row must be [V] float32");
+  row = row.contiguous();
+  const float* x = row.data_ptr<float>();
+  const int64_t V = row.size(0);
+  const float inv = static_cast<float>(1.0 / temperature);
+  const auto weight = [&](int64_t j) { return std::exp((x[j] - static_cast<float>(top)) * inv); };
+  double target = u * (total - (excluded >= 0 ? weight(excluded) : 0.0));
+  const vec shift = vset1(static_cast<float>(top)), scale = vset1(inv);
+  double running = 0.0;
+  int64_t last = -1;  // the last index with weight, for a target rounding puts past the end
+  int64_t i = 0;
+  alignas(64) float lanes[kVec];
+  for (; i + kVec <= V; i += kVec) {
+    vstore(lanes, vexp_nonpositive(vmul(vadd(vload(x + i), vneg(shift)), scale)));
+    float block = 0.0f;
+    for (int j = 0; j < kVec; ++j) block += (i + j == excluded) ? 0.0f : lanes[j];
+    if (running + block < target) {
+      running += block;
+      if (block > 0.0f) last = i;  // refined below only where the draw lands
+      continue;
+    }
+    for (int j = 0; j < kVec; ++j) {
+      if (i + j == excluded || lanes[j] == 0.0f) continue;
+      running += lanes[j];
+      last = i + j;
+      if (running >= target) return last;
+    }
+  }
+  for (; i < V; ++i) {
+    if (i == excluded) continue;
+    const float w = std::exp((x[i] - static_cast<float>(top)) * inv);
+    if (w == 0.0f) continue;
+    running += w;
+    last = i;
+    if (running >= target) return last;
+  }
+  // Rounding put the target past the sum: the last token with weight (its block's last one).
+  if (last >= 0 && last % kVec == 0 && last + kVec <= V) {
+    for (int64_t j = last + kVec - 1; j >= last; --j)
+      if (j != excluded && weight(j) > 0.0f) return j;
+  }
+  return last;
+}
+
 at::Tensor packed_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dtype() == at::kFloat && wp.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(), "bad shapes");

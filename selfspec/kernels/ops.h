@@ -21,6 +21,13 @@ at::Tensor argmax_rows(at::Tensor logits);
 // Per row, argmax_rows' index and that logit's softmax probability (1 / sum_j exp(x_j - max));
 // 0 for a row whose largest value is not finite.
 std::vector<at::Tensor> top_probability_rows(at::Tensor logits);
+// Per row of logits [M, V] float32: its largest value and sum_j exp((x_j - max) / temperature),
+// the normalizer of softmax(x / temperature) (NaN where the largest value is not finite).
+std::vector<at::Tensor> softmax_partition(at::Tensor logits, double temperature);
+// An index drawn from softmax(row / temperature) with ``excluded`` left out (-1: none), by the
+// inverse of its cumulative sum at u * (total less the excluded weight), u uniform in [0, 1);
+// ``top`` and ``total`` are softmax_partition's for the row.
+int64_t sample_row(at::Tensor row, double temperature, double top, double total, double u, int64_t excluded);
 // y = x @ W^T (+ bias), W as float32 panels [P, K, 16] (pack_weight).
 at::Tensor packed_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias);
 // The same with W as a GGUF file's integers in quantized panels (speed mode gguf).

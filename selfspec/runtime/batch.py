@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from selfspec.drafters.base import Draft, point_masses
+from selfspec.drafters.base import Draft
 from selfspec.drafters.ngram import ContextIndex
 from selfspec.runtime.decode import (
     DecodeConfig,
@@ -232,5 +232,4 @@ def _accept(sequence: Sequence, draft: list[int], logits: torch.Tensor) -> tuple
     sampling = sequence.config.sampling
     if not draft:
         return 0, sampling.pick(logits[0], sequence.generator)
-    probs = None if sampling.greedy else point_masses(draft, logits.shape[-1])
-    return accept(Draft(draft, probs), logits, sampling, sequence.generator)
+    return accept(Draft(draft), logits, sampling, sequence.generator)  # certain context drafts

@@ -24,8 +24,15 @@ import torch
 
 from selfspec.drafters import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
 from selfspec.drafters.adaptation import TARGET_ACCEPTANCE, AdaptiveThreshold
+from selfspec.drafters.base import point_masses
 from selfspec.errors import SelfSpecError
-from selfspec.runtime.sampling import Sampling, accept_greedy, accept_sampled, sample
+from selfspec.runtime.sampling import (
+    Sampling,
+    accept_certain,
+    accept_greedy,
+    accept_sampled,
+    sample,
+)
 
 if TYPE_CHECKING:
     from selfspec.runtime.prefixes import PrefixStore
@@ -212,9 +219,15 @@ def accept(
     sampling rule against the drafter's distributions."""
     if sampling.greedy:
         return accept_greedy(draft.tokens, target_logits)
+    if draft.probs is None:  # no draft, or tokens proposed with certainty (copied, not sampled)
+        fast = accept_certain(draft.tokens, target_logits, sampling, generator)
+        if fast is not None:
+            return fast
     target_probs = sampling.probs(target_logits)
     if not draft.tokens:
         return 0, sample(target_probs[0], generator)
+    if draft.probs is None:
+        draft = Draft(draft.tokens, point_masses(draft.tokens, target_logits.shape[-1]))
     draft_probs = draft.probs
     if draft_probs.shape[-1] != target_probs.shape[-1]:
         draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])

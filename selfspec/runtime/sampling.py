@@ -10,6 +10,7 @@ exactly as if drawn from the target alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,21 @@ class Sampling:
         """One token from one row of logits (argmax when greedy)."""
         if self.greedy:
             return argmax_rows(logits)[0]
+        kernel = self.kernel_for(logits)
+        if kernel is not None:
+            row = logits.reshape(-1).float()
+            top, total = kernel.softmax_partition(row[None], self.temperature)
+            if math.isfinite(total[0]):
+                return _draw(kernel, row, self, float(top[0]), float(total[0]), generator)
         return sample(self.probs(logits), generator)
+
+    def kernel_for(self, logits: torch.Tensor):
+        """The kernel where it can sample this distribution (plain temperature sampling of CPU
+        float32 logits): a softmax and a draw over 150k logits in two vector passes, where torch's
+        softmax and multinomial take milliseconds. None elsewhere."""
+        if self.top_k or self.top_p < 1.0 or logits.device.type != "cpu":
+            return None
+        return loaded_kernel()
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -100,6 +115,39 @@ def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple
     while m < len(draft_tokens) and draft_tokens[m] == best[m]:
         m += 1
     return m, best[m]
+
+
+def _draw(kernel, row, sampling: Sampling, top: float, total: float, generator, excluded=-1):
+    u = float(torch.rand((), generator=generator))
+    return kernel.sample_row(row, sampling.temperature, top, total, u, excluded)
+
+
+def accept_certain(
+    draft_tokens: list[int],
+    target_logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator | None,
+) -> tuple[int, int] | None:
+    """The lossless rule for drafts proposed with certainty (q = 1 on each drafted token): keep
+    token i with probability p_i(token); at the first miss draw from p_i without that token (the
+    residual max(0, p - q), normalized); when every draft passes, draw from the next row's p.
+    Through the kernel (``Sampling.kernel_for``); None where it cannot, or a row is not finite."""
+    kernel = sampling.kernel_for(target_logits)
+    if kernel is None:
+        return None
+    rows = target_logits.float()
+    tops, totals = (t.tolist() for t in kernel.softmax_partition(rows, sampling.temperature))
+    if not all(math.isfinite(t) for t in totals):
+        return None
+    for i, token in enumerate(draft_tokens):
+        p = math.exp((float(rows[i, token]) - tops[i]) / sampling.temperature) / totals[i]
+        u = float(torch.rand((), generator=generator))
+        if u <= p:  # u * q <= p with q = 1
+            continue
+        excluded = token if p < 1.0 else -1  # an empty residual (p = 1 up to rounding): p itself
+        return i, _draw(kernel, rows[i], sampling, tops[i], totals[i], generator, excluded)
+    k = len(draft_tokens)
+    return k, _draw(kernel, rows[k], sampling, tops[k], totals[k], generator)
 
 
 def accept_sampled(
