@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from selfspec.drafters.adaptation import AdaptiveThreshold, SpeedGuard
-from selfspec.runtime.sampling import argmax_rows
+from selfspec.runtime.sampling import argmax_rows, sample
 
 if TYPE_CHECKING:
     from selfspec.runtime.runner import Resume
@@ -140,7 +140,7 @@ def draft_loop(step, first_token: int, request: DraftRequest, threshold: float):
         if request.sampling.greedy:
             token = argmax_rows(logits)[0]
         else:
-            token = int(torch.multinomial(q, 1, generator=request.generator))
+            token = sample(q, request.generator)
         tokens.append(token)
         probs.append(q)
     return tokens, probs, extras

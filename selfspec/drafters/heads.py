@@ -38,7 +38,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
 from selfspec.kernels import PANEL, loaded_kernel
 from selfspec.runtime.draft_vocab import DraftVocab
-from selfspec.runtime.sampling import argmax_rows
+from selfspec.runtime.sampling import argmax_rows, sample
 
 if TYPE_CHECKING:
     from selfspec.runtime.runner import ModelRunner
@@ -310,7 +310,7 @@ class HeadDrafter(Drafter):
                 confidence = float(torch.softmax(logits, -1)[best])
             else:
                 q = request.sampling.probs(self.vocab.spread(logits))
-                token = int(torch.multinomial(q, 1, generator=request.generator))
+                token = sample(q, request.generator)
                 confidence = float(q.max())
             chance *= confidence
             self._step_seconds += time.perf_counter() - began

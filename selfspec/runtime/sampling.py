@@ -100,8 +100,31 @@ def top_probability_rows(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     return ids.tolist(), probs.tolist()
 
 
+_SAMPLE_BLOCK = 1024
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One index drawn from ``probs`` (one row of weights, any positive total) by inverse CDF in
+    float64, in two levels: the blocks' sums, then one block's running sum. (torch.multinomial
+    takes milliseconds over 150k ids; one float32 running sum would round away small weights.)"""
+    flat = probs.reshape(-1).float()
+    n = flat.shape[0]
+    padded = torch.nn.functional.pad(flat, (0, -n % _SAMPLE_BLOCK)).view(-1, _SAMPLE_BLOCK)
+    block_cdf = padded.sum(1, dtype=torch.float64).cumsum(0)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(block_cdf[-1])
+    b = _first_above(block_cdf, u, padded.sum(1) > 0)
+    within = u - (float(block_cdf[b - 1]) if b else 0.0)
+    row = padded[b]
+    return b * _SAMPLE_BLOCK + _first_above(row.double().cumsum(0), within, row > 0)
+
+
+def _first_above(cdf: torch.Tensor, u: float, positive: torch.Tensor) -> int:
+    """The first index whose running sum passes ``u`` (a weight-zero index never is: its sum
+    equals the one before); rounding past the end gives the last index with weight."""
+    i = int(torch.searchsorted(cdf, torch.tensor(u, dtype=cdf.dtype), right=True))
+    if i < cdf.shape[0] and positive[i]:
+        return i
+    return int(positive.nonzero()[-1])
 
 
 def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
