@@ -53,6 +53,8 @@ _SUBCOMMAND_MODULES = {
 def cmd_models(args: argparse.Namespace) -> int:
     from selfspec.loading.sources import list_models
 
+    if args.check:
+        return _check_models(args.check, args.json)
     rows = list_models(verify=args.verify)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -73,6 +75,17 @@ def cmd_models(args: argparse.Namespace) -> int:
         elif "checksums" in r:
             print(f"{r['name']}: sizes match; no checksums recorded (cached by an older selfspec)")
     return 1 if any(r.get("damage") for r in rows) else 0
+
+
+def _check_models(paths: list[str], as_json: bool) -> int:
+    from selfspec.loading.check import check_model_file
+
+    reports = [check_model_file(path) for path in paths]
+    if as_json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        print("\n".join(line for r in reports for line in r.lines()))
+    return 0 if all(r.loads for r in reports) else 1
 
 
 # ---------------------------------------------------------------------------------- generate
@@ -266,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--verify", action="store_true", help="checksum every cached file (a start checks sizes)"
+    )
+    p.add_argument(
+        "--check",
+        nargs="+",
+        metavar="FILE",
+        help="say whether each .gguf file (or model folder) loads, in which speed modes, and "
+        "which tensor types it holds, without loading it",
     )
     p.set_defaults(func=cmd_models)
     p = sub.add_parser("generate", help="generate text, self-speculatively by default")

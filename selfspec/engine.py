@@ -21,7 +21,7 @@ from selfspec.runtime.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
 from selfspec.runtime.runner import ModelRunner
 from selfspec.runtime.sampling import Sampling
-from selfspec.speed.modes import GRAPH_MODES, numerics_note
+from selfspec.speed.modes import GRAPH_MODES, numerics_note, relaid_types
 
 
 def make_runner(loaded: LoadedModel) -> ModelRunner:
@@ -43,12 +43,13 @@ class GenerationResult:
     stats: DecodeStats
     speed_mode: str = "torch"
     device_type: str = "cpu"
+    relaid: tuple[str, ...] = ()  # the file's weight types held as Q8_0 (gguf-q8)
 
     @property
     def numerics_note(self) -> str | None:
         """How the arithmetic that produced the tokens differs from transformers' own; None: it does
         not."""
-        return numerics_note(self.speed_mode, self.device_type)
+        return numerics_note(self.speed_mode, self.device_type, self.relaid)
 
     @property
     def numerics(self) -> str:
@@ -86,6 +87,7 @@ class TextStream:
 class Engine:
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
+        self.relaid = relaid_types(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.runner = make_runner(loaded)
         self.identity = self.runner.adapter.identity(loaded.name)
@@ -273,5 +275,11 @@ class Engine:
         )
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return GenerationResult(
-            text, ids, len(prompt_ids), stats, self.loaded.speed, self.loaded.device.type
+            text,
+            ids,
+            len(prompt_ids),
+            stats,
+            self.loaded.speed,
+            self.loaded.device.type,
+            self.relaid,
         )

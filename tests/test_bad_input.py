@@ -37,6 +37,11 @@ def _cli(argv: list[str], stdin: bytes | None = None) -> tuple[int, str]:
     return done.returncode, done.stderr.decode("utf-8", "replace")
 
 
+def _text_file(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 def _plan_file(tmp_path: Path, change) -> str:
     data = copy.deepcopy(VALID)
     change(data)
@@ -179,6 +184,18 @@ CLI_ROWS = [
         ["generate", "hi", "--tokens", "5"],
         None,
         "unrecognized arguments: --tokens 5",
+    ),
+    (
+        "check a missing file",
+        lambda t: ["models", "--check", str(t / "absent.gguf")],
+        None,
+        "does not exist; pass a .gguf file or a model folder",
+    ),
+    (
+        "check a file that is not GGUF",
+        lambda t: ["models", "--check", _text_file(t / "notes.gguf", "not a model")],
+        None,
+        "no GGUF magic bytes",
     ),
     (
         "non-UTF-8 prompt argument",

@@ -13,7 +13,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, kernel_available, load_kernel, pack_weight
 from selfspec.loading import gguf_reader
 from selfspec.runtime.plan import DraftPolicy
-from selfspec.speed import quantized
+from selfspec.speed import blocks, quantized
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the CPU kernel cannot be built here"
@@ -26,13 +26,30 @@ BLOCKS = {
     "Q8_0": (32, 34, (0,)),
     "Q5_0": (32, 22, (0,)),
     "Q4_1": (32, 20, (0, 2)),
+    "Q4_0": (32, 18, (0,)),
+    "Q3_K": (256, 110, (108,)),
+    "IQ4_NL": (32, 18, (0,)),
+    "IQ4_XS": (256, 136, (0,)),
+}
+# types with no kernel tiles, laid out as Q8_0 in gguf-q8 (the float types are built apart)
+RELAID_BLOCKS = {
+    "Q5_K": (256, 176, (0, 2)),
+    "Q5_1": (32, 24, (0, 2)),
+    "Q2_K": (256, 84, (80, 82)),
 }
 
 
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
     """Random quantized data of one GGUF type: any bits, with finite float16 scales."""
-    per_block, block_bytes, f16_fields = BLOCKS[type_name]
     rng = np.random.default_rng(seed)
+    if type_name in ("F32", "F16", "BF16"):
+        values = rng.normal(0, 0.05, size=(rows, columns)).astype(np.float32)
+        if type_name == "F16":
+            values = values.astype(np.float16)
+        elif type_name == "BF16":
+            values = (values.view(np.uint32) >> 16).astype(np.uint16)
+        return values.view(np.uint8)
+    per_block, block_bytes, f16_fields = {**BLOCKS, **RELAID_BLOCKS}[type_name]
     blocks = rng.integers(0, 256, size=(rows * columns // per_block, block_bytes), dtype=np.uint8)
     for at in f16_fields:
         scales = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
@@ -50,7 +67,7 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(
     reference = torch.from_numpy(
         dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
     )
-    decoded = quantized.decode(raw, type_name, rows)
+    decoded = blocks.decode(raw, type_name, rows)
     wq = quantized.pack(decoded)
     kernel = load_kernel()
     assert torch.equal(
@@ -86,7 +103,7 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     and the result is the float64 product of the rounded activations and the file's weights."""
     rows, columns = 192, 1536
     raw = random_blocks(type_name, rows, columns, seed=7 + len(type_name))
-    decoded = quantized.decode(raw, type_name, rows)
+    decoded = blocks.decode(raw, type_name, rows)
     wq = quantized.pack(decoded, vnni=True)
     weight = torch.from_numpy(decoded.weights(0, rows)).double()
     kernel = load_kernel()
@@ -121,7 +138,7 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
     reference alike, and Q8Linear's, which holds them, too."""
     kernel = load_kernel()
     rows, columns = 192, 1536
-    decoded = quantized.decode(random_blocks("Q6_K", rows, columns, seed=11), "Q6_K", rows)
+    decoded = blocks.decode(random_blocks("Q6_K", rows, columns, seed=11), "Q6_K", rows)
     assert quantized.has_six_bits(decoded)
     wq = quantized.pack(decoded, vnni=True)
     six = quantized.pack_six_bits(decoded)
@@ -136,7 +153,7 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
     assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
     assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
     for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every VNNI tile shape, whole and cut short
-        expected = kernel.q8_linear(x[:m], wq, quantized.BYTES, 16, bias, False)
+        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 16, bias, False)
         for reference in (False, True):
             got = kernel.q8_linear(x[:m], six, quantized.SIX_BITS, 16, bias, reference)
             assert torch.equal(got, expected), (m, reference)
@@ -152,7 +169,7 @@ def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode():
     kernel = load_kernel()
     rows, columns = 192, 1536
     raw = random_blocks("Q6_K", rows, columns, seed=12)
-    decoded = quantized.decode(raw, "Q6_K", rows)
+    decoded = blocks.decode(raw, "Q6_K", rows)
     reference = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(rows, columns).copy()
     packed = pack_weight(torch.from_numpy(reference))
     six = quantized.pack_six_bits(decoded)
@@ -188,11 +205,26 @@ def test_q8_mode_needs_vnni(monkeypatch):
         speed.resolve_speed_mode("gguf-q8", "cpu", torch.float32)
 
 
-def test_unsupported_quantization_type_is_a_clear_error():
-    with pytest.raises(
-        SelfSpecError, match="reads Q4_K, Q4_1, Q6_K, Q8_0, Q5_0 weights; this file has IQ2_XS"
-    ):
-        quantized.decode(np.zeros((64, 66), np.uint8), "IQ2_XS", 64)
+@pytest.mark.parametrize("type_name", [*sorted(RELAID_BLOCKS), "F16", "BF16", "F32"])
+def test_types_without_tiles_are_laid_out_as_q8_0_in_gguf_q8_only(type_name):
+    """The exact values are gguf's own; gguf-q8 holds them rounded to Q8_0 (each weight within
+    half a step of its block's scale, the largest at +-127); mode gguf refuses the type."""
+    rows, columns = 64, 512
+    raw = random_blocks(type_name, rows, columns, seed=3 + len(type_name))
+    exact = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns)
+    assert np.array_equal(blocks.dequantize(raw, type_name, rows), exact)
+    decoded = blocks.decode(raw, type_name, rows, relay=True)
+    assert (decoded.format, decoded.group) == (blocks.BYTES, 32)
+    step = np.repeat(decoded.scale, 32, axis=1)
+    assert np.all(np.abs(decoded.weights(0, rows) - exact) <= step * 0.5001)
+    assert np.all(np.abs(decoded.q.reshape(rows, -1, 32)).max(-1) == 127)
+    with pytest.raises(SelfSpecError, match=f"this file has {type_name}. Use --speed gguf-q8"):
+        blocks.decode(raw, type_name, rows)
+
+
+def test_a_type_gguf_cannot_read_is_a_clear_error():
+    with pytest.raises(SelfSpecError, match="GGUF tensor type Q4_2 cannot be read"):
+        blocks.decode(np.zeros((64, 40), np.uint8), "Q4_2", 64, relay=True)
 
 
 @pytest.mark.slow

@@ -209,7 +209,7 @@ def _numerics(engine: Engine, notes: list[str]) -> str | None:
     """How selfspec's speed mode changes the numerics, if it does (said in a note too)."""
     from selfspec.speed.modes import numerics_note
 
-    numerics = numerics_note(engine.loaded.speed, engine.loaded.device.type)
+    numerics = numerics_note(engine.loaded.speed, engine.loaded.device.type, engine.relaid)
     if numerics:
         notes.append(
             f"speed mode {engine.loaded.speed} changes the numerics ({numerics}), so selfspec's "

@@ -31,12 +31,14 @@ from selfspec.loading.fetch import progress_bar
 from selfspec.loading.gguf_reader import GGUFFile, GGUFTensor, read_gguf
 from selfspec.loading.skeleton import CausalLM, build_skeleton
 from selfspec.paths import cache_dir
-from selfspec.runtime.adapters import adapter_for
+from selfspec.runtime.adapters import adapter_for, attention_implementation
+from selfspec.speed.blocks import dequantize
 from selfspec.speed.quantized import (
     Q8Linear,
     QuantLinear,
-    decode,
+    check_types,
     decode_rows,
+    layer_type,
     linear_sources,
     swap_module,
 )
@@ -80,8 +82,8 @@ class QuantEmbedding(nn.Module):
         self._lock = threading.Lock()  # a drafter's thread may embed beside a pass (profile)
 
     def _decode(self, flat: list[int]) -> torch.Tensor:
-        decoded = decode(self.tensor.data[flat], self.tensor.type_name, len(flat))
-        return torch.from_numpy(np.ascontiguousarray(decoded.weights(0, len(flat)), np.float32))
+        rows = dequantize(self.tensor.data[flat], self.tensor.type_name, len(flat))
+        return torch.from_numpy(np.ascontiguousarray(rows, np.float32))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The unscaled rows of ``ids`` (any shape) as float32 [n, embedding_dim]."""
@@ -117,6 +119,7 @@ def load_quantized(
     model = (build_skeleton(folder) if own_skeleton else None) or _skeleton(folder)
     gguf = read_gguf(gguf_path)
     sources = linear_sources(model, gguf.tensors, gguf_path, kernel)
+    check_types(sources, relay=mode == "gguf-q8", gguf_path=gguf_path)
     _fill_float_tensors(model, gguf, skip={name for _, name, _ in sources} | {"token_embd.weight"})
     cls = Q8Linear if mode == "gguf-q8" else QuantLinear
     panels = _panels(Path(folder), mode, model, sources, cls)
@@ -145,7 +148,7 @@ def _skeleton(folder: str | Path) -> nn.Module:
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights():  # parameters on the meta device; buffers (rotary) real
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation="sdpa"
+            config, dtype=torch.float32, attn_implementation=attention_implementation(config)
         )
     if (Path(folder) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
@@ -156,7 +159,8 @@ def _fill_float_tensors(model: nn.Module, gguf: GGUFFile, skip: set[str]) -> Non
     """Give every parameter the file holds (except ``skip``'s) its float32 value, as transformers'
     GGUF loading would: llama.cpp's tensor names, and transformers' per-family fixes (gemma's
     norms, llama's q/k rows)."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
 
     params = dict(model.named_parameters())
     name_map = _gguf_names(model, gguf.architecture, params)
@@ -165,7 +169,7 @@ def _fill_float_tensors(model: nn.Module, gguf: GGUFFile, skip: set[str]) -> Non
     for name, tensor in gguf.tensors.items():
         if name in skip:
             continue
-        weights = dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+        weights = gguf_dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
         weights, name = process(weights, name)
         param = params.get(name_map.get(name, ""))
         if param is None:  # held by the file, not used by the model (as transformers skips it)
@@ -276,11 +280,12 @@ def _append_panels(fh, model: nn.Module, tensor: GGUFTensor, cls, kernel) -> dic
     fh.write(b"\0" * (-fh.tell() % _ALIGN))
     offset = fh.tell()
     for first in range(0, tensor.rows, _CHUNK_ROWS):
-        decoded = decode_rows(model, tensor, first, min(tensor.rows, first + _CHUNK_ROWS))
+        last = min(tensor.rows, first + _CHUNK_ROWS)
+        decoded = decode_rows(model, tensor, first, last, relay=cls.vnni)
         panels, format, group = cls.lay_out(decoded, kernel)
         panels.numpy().tofile(fh)
     where = {"offset": offset, "bytes": fh.tell() - offset, "panels": tensor.rows // PANEL}
-    return {**where, "layout": [format, group, tensor.type_name]}
+    return {**where, "layout": [format, group, layer_type(tensor.type_name, cls.vnni)]}
 
 
 def _map_panels(entry: Path) -> dict:

@@ -119,16 +119,19 @@ def load_model(
 def load_weights(name: str, folder, device, dtype, speed: str, fused: bool, own_skeleton: bool):
     """(model in eval mode laid out for ``speed``, its fused layers or None)."""
     from selfspec.loading.gguf_load import load_quantized
+    from selfspec.runtime.adapters import attention_implementation
     from selfspec.speed.fused import fuse_layers
     from selfspec.speed.modes import QUANTIZED_MODES, apply_speed_mode
 
     if speed in QUANTIZED_MODES:
         model = load_quantized(folder, gguf_source(name, folder), speed, own_skeleton)
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        path = float32_dir(name, folder)
+        attention = attention_implementation(AutoConfig.from_pretrained(path))
         model = AutoModelForCausalLM.from_pretrained(
-            float32_dir(name, folder), dtype=dtype, attn_implementation="sdpa"
+            path, dtype=dtype, attn_implementation=attention
         )
     model.to(device)
     model.eval()

@@ -99,6 +99,8 @@ def load_split(folder: str, dtype, max_memory: dict, offload_folder: Path):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from selfspec.runtime.adapters import attention_implementation
+
     config = AutoConfig.from_pretrained(folder)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -107,7 +109,7 @@ def load_split(folder: str, dtype, max_memory: dict, offload_folder: Path):
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         dtype=dtype,
-        attn_implementation="sdpa",
+        attn_implementation=attention_implementation(config),
         device_map=device_map,
         offload_folder=str(offload_folder),
     )

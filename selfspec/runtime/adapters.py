@@ -17,9 +17,21 @@ from selfspec.errors import SelfSpecError
 from selfspec.runtime.draft_vocab import DraftVocab, head_logits
 from selfspec.runtime.plan import ModelIdentity
 
+# A llama-style decoder layer's linear layers as GGUF files name them -> the model's module names
+# (llama.cpp's naming, shared by the llama, qwen2, qwen3, mistral and gemma files).
+LAYER_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
 
 class DecoderAdapter:
-    """Pre-norm decoder (llama, qwen2, mistral): h += attn(norm(h)); h += mlp(norm(h)).
+    """Pre-norm decoder (llama, qwen2, qwen3, mistral, phi3): h += attn(norm(h)); h += mlp(norm(h)).
 
     With ``fused`` (the kernel's DecoderLayer per layer, ``selfspec.speed.fused``) each sublayer is
     one native call over the same weights instead of the model's modules."""
@@ -83,6 +95,11 @@ class DecoderAdapter:
     def normed_logits(self, normed, vocab: int | DraftVocab | None = None) -> torch.Tensor:
         """The output head over ``final_norm``'s output (or anything in its space: draft heads)."""
         return head_logits(self.model.lm_head, normed, vocab)
+
+    # each layer's linear layers as GGUF names them -> module names
+    gguf_linears = LAYER_LINEARS
+    # the attention transformers builds the family with (SDPA unless only eager is exact)
+    attn_implementation = "sdpa"
 
     def gguf_row_order(self, gguf_name: str, rows: int):
         """For a linear read from a GGUF file: HF row r is the file's row order[r] (None: same
@@ -150,12 +167,65 @@ class Gemma3Adapter(DecoderAdapter):
         return logits
 
 
+class Phi3Adapter(DecoderAdapter):
+    """Phi-3, Phi-4-mini: q, k and v in one linear layer, gate and up in another (so in the GGUF
+    file); rotary on part of each head where the config says so (inside transformers' attention)."""
+
+    gguf_linears = {
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+
+
+class Gemma2Adapter(Gemma3Adapter):
+    """Gemma 2: Gemma 3's sandwich norms and final softcap, one RoPE for every layer, and attention
+    logits soft-capped too, which only transformers' eager attention computes (it is set here, and
+    masks are handed to it as additive float masks)."""
+
+    attn_implementation = "eager"
+
+    def __init__(self, model, fused: list | None = None):
+        super().__init__(model, fused)
+        if model.config._attn_implementation != "eager":  # a model built elsewhere
+            model.set_attn_implementation("eager")
+
+    def position_embeddings(self, hidden, position_ids) -> dict:
+        return DecoderAdapter.position_embeddings(self, hidden, position_ids)
+
+    def attention(self, i, hidden, rope, mask, cache):
+        return super().attention(i, hidden, rope, additive_mask(mask, hidden), cache)
+
+
+def additive_mask(mask: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The runner's boolean mask (None: one query seeing everything, or a prefill's plain causal
+    mask, which SDPA applies itself) as eager attention adds it to the scores."""
+    n = hidden.shape[-2]
+    if mask is None:
+        if n == 1:
+            return None
+        mask = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()[None, None]
+    scores = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
+    return scores.masked_fill(~mask, torch.finfo(hidden.dtype).min)
+
+
 _ADAPTERS = {
     "llama": LlamaAdapter,
     "qwen2": DecoderAdapter,
+    "qwen3": DecoderAdapter,
     "mistral": LlamaAdapter,
+    "phi3": Phi3Adapter,
+    "gemma2": Gemma2Adapter,
     "gemma3_text": Gemma3Adapter,
 }
+ADAPTED_FAMILIES = tuple(sorted(_ADAPTERS))  # transformers model types selfspec runs
+
+
+def attention_implementation(config) -> str:
+    """The attention implementation to build a model of ``config``'s family with."""
+    cls = _ADAPTERS.get(getattr(config, "model_type", None), DecoderAdapter)
+    return cls.attn_implementation
 
 
 def adapter_for(model, fused: list | None = None) -> DecoderAdapter:
@@ -166,7 +236,7 @@ def adapter_for(model, fused: list | None = None) -> DecoderAdapter:
     if cls is None:
         raise SelfSpecError(
             f"selfspec has no adapter for model type '{model_type}'. Supported: "
-            f"{', '.join(sorted(_ADAPTERS))}."
+            f"{', '.join(ADAPTED_FAMILIES)}."
         )
     return cls(model, fused)
 

@@ -69,12 +69,21 @@ CUDA_NUMERICS = (
 )
 
 
-def numerics_note(mode: str, device_type: str = "cpu") -> str | None:
+def numerics_note(mode: str, device_type: str = "cpu", relaid: tuple = ()) -> str | None:
     """How a mode's arithmetic differs from transformers' own on the same weights; None: it does
-    not."""
-    if mode in NUMERICS:
-        return NUMERICS[mode]
-    return CUDA_NUMERICS if device_type == "cuda" else None
+    not. ``relaid``: the file's types gguf-q8 laid out as Q8_0 (``relaid_types``)."""
+    note = NUMERICS.get(mode) or (CUDA_NUMERICS if device_type == "cuda" else None)
+    if relaid:
+        note = f"{note}; {', '.join(relaid)} weights laid out as Q8_0 (no kernel tiles for them)"
+    return note
+
+
+def relaid_types(model: nn.Module) -> tuple[str, ...]:
+    """The file's weight types that speed mode gguf-q8 holds as Q8_0, in name order."""
+    from selfspec.speed.blocks import RELAID
+
+    kinds = {getattr(m, "type_name", "") for m in model.modules()}
+    return tuple(sorted(k.removesuffix(RELAID) for k in kinds if k.endswith(RELAID)))
 
 
 _warned: set[str] = set()

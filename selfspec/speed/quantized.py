@@ -13,15 +13,15 @@ Speed mode ``gguf-q8`` (``Q8Linear``) keeps the same integers, arranged for inte
 products, and multiplies them by the activations rounded to 8 bits: llama.cpp's arithmetic, not
 the float32 model's (see ``selfspec.speed.modes``).
 
-Formats read: Q4_K (4-bit with the file's own scale factors), Q4_1 (4-bit, float scale and
-offset per 32), Q6_K (int8 per 16, or six bits where the build has the six-bit tiles: both
-modes on AVX-512), Q8_0 and Q5_0 (int8 per 32). The embedding and the norms stay float32 (they
-are not streamed per step).
+Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale factors), Q4_1
+and Q4_0 (4-bit, float scale and offset per 32), Q6_K (int8 per 16, or six bits where the build
+has the six-bit tiles: both modes on AVX-512), Q3_K (int8 per 16), Q8_0, Q5_0, IQ4_NL and IQ4_XS
+(int8 per 32). Other types gguf reads are laid out as Q8_0 in mode gguf-q8 only. The embedding
+and the norms stay float32 (they are not streamed per step).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,123 +32,20 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels import PANEL, in_row_chunks, pack_weight, padded_rows
 from selfspec.loading.gguf_reader import gguf_tensors
 from selfspec.runtime.adapters import adapter_for
+from selfspec.speed.blocks import (
+    BYTES,
+    DECODERS,
+    NIBBLES,
+    RELAID,
+    SIX_BITS,
+    SUPER_NIBBLES,
+    Decoded,
+    decode,
+    dequantize,
+    round_q8_0,
+)
 
-NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
 _CHECK_PANELS = 8  # panels compared with the float32 weights at each end of every layer
-
-
-@dataclass
-class Decoded:
-    """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
-
-    SUPER_NIBBLES (Q4_K) keeps the file's factors instead of their float32 products:
-    scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
-    Q6_K (BYTES, G = 16) keeps them beside its scales: d [N, K // 256] float16, sc int8."""
-
-    q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
-    scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
-    offset: np.ndarray | None  # [N, K // G] float32 (NIBBLES)
-    group: int
-    format: int
-    factors: tuple | None = (
-        None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8; Q6_K: d, sc
-    )
-
-    def weights(self, first: int, last: int) -> np.ndarray:
-        """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
-        float32, so adding the offset rounds once, like ggml's formula."""
-        q = self.q[first:last].astype(np.float32)
-        rows, k = q.shape
-        if self.format == SUPER_NIBBLES:
-            d, dmin, sc, m = (f[first:last].astype(np.float32) for f in self.factors)
-            scale = np.repeat(d, 256 // self.group, axis=1) * sc
-            offset = -(np.repeat(dmin, 256 // self.group, axis=1) * m)
-        else:
-            scale = self.scale[first:last]
-            offset = self.offset[first:last] if self.offset is not None else None
-        w = np.repeat(scale, self.group, axis=1) * q
-        return w + np.repeat(offset, self.group, axis=1) if offset is not None else w
-
-
-def _f16(column: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
-
-
-def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
-    return np.ascontiguousarray(raw).reshape(-1, block_bytes)
-
-
-def _q4_k(raw, rows):
-    b = _blocks(
-        raw, 144
-    )  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-    d, dmin = (
-        np.ascontiguousarray(b[:, 0:2]).view(np.float16),
-        np.ascontiguousarray(b[:, 2:4]).view(np.float16),
-    )
-    packed = b[:, 4:16].reshape(-1, 3, 4)
-    lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
-    mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
-    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 15).reshape(
-        rows, -1
-    )  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
-    factors = (
-        d.reshape(rows, -1),
-        dmin.reshape(rows, -1),
-        sc.reshape(rows, -1),
-        mins.reshape(rows, -1),
-    )
-    return Decoded(q, None, None, 32, SUPER_NIBBLES, factors)
-
-
-def _q4_1(raw, rows):
-    b = _blocks(raw, 20)  # d f16, m f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)
-    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    q = (b[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
-    return Decoded(q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 32, NIBBLES)
-
-
-def _q6_k(raw, rows):
-    b = _blocks(raw, 210)  # 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d f16
-    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-    qh = (
-        b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    ) & 3
-    q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
-    d, sc = np.ascontiguousarray(b[:, 208:210]).view(np.float16), b[:, 192:208].view(np.int8)
-    scale = d.astype(np.float32) * sc.astype(np.float32)
-    factors = (d.reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1))
-    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
-
-
-def _q8_0(raw, rows):
-    b = _blocks(raw, 34)  # d f16, 32 int8
-    return Decoded(
-        b[:, 2:].view(np.int8).reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES
-    )
-
-
-def _q5_0(raw, rows):
-    b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
-    high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-    low = (b[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
-    q = (low.reshape(-1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
-
-
-DECODERS = {"Q4_K": _q4_k, "Q4_1": _q4_1, "Q6_K": _q6_k, "Q8_0": _q8_0, "Q5_0": _q5_0}
-
-
-def decode(raw: np.ndarray, type_name: str, rows: int) -> Decoded:
-    decoder = DECODERS.get(type_name)
-    if decoder is None:
-        raise SelfSpecError(
-            f"speed mode gguf reads {', '.join(DECODERS)} weights; this file has {type_name}. "
-            "Use --speed packed."
-        )
-    return decoder(raw, rows)
 
 
 def _q_float_arrangement(decoded: Decoded) -> np.ndarray:
@@ -293,7 +190,7 @@ class QuantLinear(nn.Module):
         tensor, order = self.source
         ids = padded_rows(ids)
         rows = ids.numpy() if order is None else np.asarray(order)[ids.numpy()]
-        decoded = decode(np.array(tensor.data[rows]), tensor.type_name, len(rows))
+        decoded = decode(np.array(tensor.data[rows]), tensor.type_name, len(rows), self.vnni)
         bias = self.bias[ids] if self.bias is not None else None
         return type(self).from_decoded(decoded, self.type_name, bias, self.kernel)
 
@@ -341,17 +238,8 @@ class Q8Linear(QuantLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernel) -> Q8Linear:
-        """``weight`` [N, K] rounded as ggml's Q8_0 rounds it (per 32 inputs, a scale of their
-        largest magnitude / 127 and integers in [-127, 127], halves away from zero; the scale kept
-        in float32, where the file keeps float16)."""
-        w = weight.detach().float().cpu().numpy()
-        n, k = w.shape
-        blocks = w.reshape(n, k // 32, 32)
-        scale = (np.abs(blocks).max(-1) / 127).astype(np.float32)
-        inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
-        scaled = blocks * inverse[..., None]
-        q = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127).astype(np.int8)
-        decoded = Decoded(q.reshape(n, k), scale, None, 32, BYTES)
+        """``weight`` [N, K] rounded as ggml's Q8_0 rounds it (``blocks.round_q8_0``)."""
+        decoded = round_q8_0(weight.detach().float().cpu().numpy())
         bias = None if bias is None else bias.detach().float().cpu().contiguous()
         return cls.from_decoded(decoded, "Q8_0", bias, kernel)
 
@@ -363,19 +251,6 @@ class Q8Linear(QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", activations rounded to 8 bits"
-
-
-# GGUF tensor names of a llama-style decoder's linear layers (llama.cpp's naming, shared by the
-# llama, qwen2, mistral and gemma3 files).
-_LAYER_LINEARS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def _module(model: nn.Module, dotted: str) -> nn.Module:
@@ -400,7 +275,7 @@ def linear_sources(model: nn.Module, tensors: dict, gguf_path: Path, kernel) -> 
     targets = [
         (f"blk.{i}.{short}.weight", f"model.layers.{i}.{module}")
         for i in range(adapter.num_layers)
-        for short, module in _LAYER_LINEARS.items()
+        for short, module in adapter.gguf_linears.items()
     ]
     targets.append((head_source if head_source in tensors else "token_embd.weight", "lm_head"))
     sources = []
@@ -424,16 +299,46 @@ def linear_sources(model: nn.Module, tensors: dict, gguf_path: Path, kernel) -> 
     return sources
 
 
-def decode_rows(model: nn.Module, tensor, first: int = 0, last: int | None = None) -> Decoded:
-    """Rows [first, last) of a linear layer's weight, in the model's row order, decoded from the
-    file (read, not mapped: see ``GGUFTensor.read_rows``)."""
-    last = tensor.rows if last is None else last
+def check_types(sources: list[tuple], relay: bool, gguf_path: Path) -> None:
+    """Refuse, before any work, a layer whose type this mode cannot read: in mode gguf a type
+    without an exact decoder, in gguf-q8 a type ``gguf`` cannot dequantize."""
+    for _, gguf_name, tensor in sources:
+        if tensor.type_name in DECODERS:
+            continue
+        if not relay:
+            raise SelfSpecError(
+                f"speed mode gguf reads {', '.join(DECODERS)} weights exactly; {gguf_name} in "
+                f"{gguf_path.name} is {tensor.type_name}. Use --speed gguf-q8 (which lays it out "
+                "as Q8_0) or --speed packed."
+            )
+        try:
+            dequantize(tensor.read_rows(0, 1), tensor.type_name, 1)
+        except SelfSpecError as exc:
+            raise SelfSpecError(f"{gguf_name} in {gguf_path.name}: {exc}") from None
+
+
+def layer_type(type_name: str, relay: bool) -> str:
+    """What a layer of the file's ``type_name`` holds: the type, or (``relay``, a type without
+    kernel tiles) the type laid out as Q8_0."""
+    return f"{type_name}{RELAID}" if relay and type_name not in DECODERS else type_name
+
+
+def raw_rows(model: nn.Module, tensor, first: int, last: int) -> np.ndarray:
+    """Rows [first, last) of a linear layer's weight as the file's blocks, in the model's row
+    order (read, not mapped: see ``GGUFTensor.read_rows``)."""
     order = adapter_for(model).gguf_row_order(tensor.name, tensor.rows)
     if order is None:
-        raw = tensor.read_rows(first, last)
-    else:  # rows come from all over the tensor
-        raw = tensor.read_rows(0, tensor.rows)[order[first:last]]
-    return decode(raw, tensor.type_name, last - first)
+        return tensor.read_rows(first, last)
+    return tensor.read_rows(0, tensor.rows)[order[first:last]]  # rows from all over the tensor
+
+
+def decode_rows(
+    model: nn.Module, tensor, first: int = 0, last: int | None = None, relay: bool = False
+) -> Decoded:
+    """Rows [first, last) of a linear layer's weight, in the model's row order, decoded from the
+    file (``relay``: types without kernel tiles rounded to Q8_0)."""
+    last = tensor.rows if last is None else last
+    return decode(raw_rows(model, tensor, first, last), tensor.type_name, last - first, relay)
 
 
 def swap_module(model: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -445,17 +350,18 @@ def quantize_model(model: nn.Module, gguf_path: Path, kernel, activations8: bool
     """Swap the decoder's and the head's nn.Linear modules of a float32 model for QuantLinear
     (``activations8``: Q8Linear) built from the file, each checked against the float32 weights."""
     swaps = []  # made once every layer is built and checked: a bad file leaves the model untouched
-    for module_name, gguf_name, tensor in linear_sources(
-        model, gguf_tensors(gguf_path), gguf_path, kernel
-    ):
+    sources = linear_sources(model, gguf_tensors(gguf_path), gguf_path, kernel)
+    check_types(sources, activations8, gguf_path)
+    for module_name, gguf_name, tensor in sources:
         linear = _module(model, module_name)
-        decoded = decode_rows(model, tensor)
+        decoded = decode_rows(model, tensor, relay=activations8)
         bias = linear.bias.detach().clone() if linear.bias is not None else None
+        kind = layer_type(tensor.type_name, activations8)
         if activations8:
-            _check_decoded(decoded, linear.weight, gguf_name, gguf_path)
-            quant = Q8Linear.from_decoded(decoded, tensor.type_name, bias, kernel)
+            _check_rows(model, tensor, linear.weight, gguf_path)
+            quant = Q8Linear.from_decoded(decoded, kind, bias, kernel)
         else:
-            quant = QuantLinear.from_decoded(decoded, tensor.type_name, bias, kernel)
+            quant = QuantLinear.from_decoded(decoded, kind, bias, kernel)
             _check_exact(quant, linear.weight, gguf_name, gguf_path)
         quant.source = (tensor, adapter_for(model).gguf_row_order(gguf_name, tensor.rows))
         swaps.append((module_name, quant))
@@ -472,13 +378,15 @@ def _not_the_models(gguf_name: str, gguf_path: Path) -> SelfSpecError:
     )
 
 
-def _check_decoded(decoded: Decoded, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:
-    """As _check_exact, on the decoded integers (gguf-q8 panels are not arranged to be rebuilt)."""
+def _check_rows(model: nn.Module, tensor, weight: torch.Tensor, gguf_path: Path) -> None:
+    """As _check_exact, on the file's rows dequantized (gguf-q8 panels are not arranged to be
+    rebuilt, and may hold the weights rounded to Q8_0)."""
     rows = weight.shape[0]
     span = _CHECK_PANELS * PANEL
     for first, last in ((0, min(rows, span)), (max(0, rows - span), rows)):
-        if not np.array_equal(decoded.weights(first, last), weight[first:last].detach().numpy()):
-            raise _not_the_models(gguf_name, gguf_path)
+        values = dequantize(raw_rows(model, tensor, first, last), tensor.type_name, last - first)
+        if not np.array_equal(values, weight[first:last].detach().numpy()):
+            raise _not_the_models(tensor.name, gguf_path)
 
 
 def _check_exact(quant: QuantLinear, weight: torch.Tensor, gguf_name: str, gguf_path: Path) -> None:

@@ -1,0 +1,247 @@
+"""GGUF weight blocks decoded into the integer formats of selfspec's quantized kernels.
+
+Each GGUF type is decoded to ``Decoded``: small integers and a float32 scale (and offset) per 16
+or 32 weights, whose products are exactly the float32 values ggml dequantizes the block to (one
+rounding, ggml's formula). Types read exactly: Q4_K, Q4_1, Q4_0, Q6_K, Q3_K, Q8_0, Q5_0, IQ4_NL and
+IQ4_XS (IQ4's 16 non-uniform levels are small integers themselves). Every other type ``gguf`` can
+dequantize (Q5_K, Q5_1, Q2_K, F16, BF16, F32, ...) has no kernel tiles; speed mode gguf-q8 lays it
+out once as Q8_0 (8 bits per weight and a scale per 32, as ggml rounds them), and speed mode gguf,
+which promises the float32 model's own weights, refuses it with a one-line error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from selfspec.errors import SelfSpecError
+
+NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
+RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
+
+
+@dataclass
+class Decoded:
+    """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
+
+    SUPER_NIBBLES (Q4_K) keeps the file's factors instead of their float32 products:
+    scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
+    Q6_K (BYTES, G = 16) keeps them beside its scales: d [N, K // 256] float16, sc int8."""
+
+    q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
+    scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
+    offset: np.ndarray | None  # [N, K // G] float32 (NIBBLES)
+    group: int
+    format: int
+    factors: tuple | None = (
+        None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8; Q6_K: d, sc
+    )
+
+    def weights(self, first: int, last: int) -> np.ndarray:
+        """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
+        float32, so adding the offset rounds once, like ggml's formula."""
+        q = self.q[first:last].astype(np.float32)
+        rows, k = q.shape
+        if self.format == SUPER_NIBBLES:
+            d, dmin, sc, m = (f[first:last].astype(np.float32) for f in self.factors)
+            scale = np.repeat(d, 256 // self.group, axis=1) * sc
+            offset = -(np.repeat(dmin, 256 // self.group, axis=1) * m)
+        else:
+            scale = self.scale[first:last]
+            offset = self.offset[first:last] if self.offset is not None else None
+        w = np.repeat(scale, self.group, axis=1) * q
+        return w + np.repeat(offset, self.group, axis=1) if offset is not None else w
+
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(-1, block_bytes)
+
+
+def _q4_k(raw, rows):
+    b = _blocks(
+        raw, 144
+    )  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+    d, dmin = (
+        np.ascontiguousarray(b[:, 0:2]).view(np.float16),
+        np.ascontiguousarray(b[:, 2:4]).view(np.float16),
+    )
+    packed = b[:, 4:16].reshape(-1, 3, 4)
+    lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
+    mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(
+        rows, -1
+    )  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
+    factors = (
+        d.reshape(rows, -1),
+        dmin.reshape(rows, -1),
+        sc.reshape(rows, -1),
+        mins.reshape(rows, -1),
+    )
+    return Decoded(q, None, None, 32, SUPER_NIBBLES, factors)
+
+
+def _q4_1(raw, rows):
+    b = _blocks(raw, 20)  # d f16, m f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)
+    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    q = (b[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    return Decoded(q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 32, NIBBLES)
+
+
+def _q6_k(raw, rows):
+    b = _blocks(raw, 210)  # 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d f16
+    ql = (b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    qh = (
+        b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    ) & 3
+    q = (ql.reshape(-1, 256) | (qh.reshape(-1, 256) << 4)).astype(np.int8) - np.int8(32)
+    d, sc = np.ascontiguousarray(b[:, 208:210]).view(np.float16), b[:, 192:208].view(np.int8)
+    scale = d.astype(np.float32) * sc.astype(np.float32)
+    factors = (d.reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1))
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
+
+
+def _q8_0(raw, rows):
+    b = _blocks(raw, 34)  # d f16, 32 int8
+    return Decoded(
+        b[:, 2:].view(np.int8).reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES
+    )
+
+
+def _q5_0(raw, rows):
+    b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
+    high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    low = (b[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    q = (low.reshape(-1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+
+
+# ggml's kvalues_iq4nl: the 16 levels an IQ4 nibble selects, times the block's scale
+IQ4_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
+)
+_NIBBLE_SHIFTS = np.array([0, 4], np.uint8).reshape(1, 2, 1)
+_PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes -> [blocks, 32]: low nibbles are values 0-15, high ones 16-31."""
+    return ((packed.reshape(-1, 1, 16) >> _NIBBLE_SHIFTS) & 15).reshape(-1, 32)
+
+
+def _q4_0(raw, rows):
+    b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles; w = d * (q - 8), exact as d * q - 8 d
+    d = _f16(b[:, 0:2])
+    return Decoded(
+        _nibbles(b[:, 2:]).reshape(rows, -1),
+        d.reshape(rows, -1),
+        (-8 * d).reshape(rows, -1),
+        32,
+        NIBBLES,
+    )
+
+
+def _q3_k(raw, rows):
+    b = _blocks(raw, 110)  # 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, d f16
+    low = (b[:, 32:96].reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS.reshape(1, 1, 4, 1)) & 3
+    high = (b[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = low.reshape(-1, 256).astype(np.int8) - ((high.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
+    scales = b[:, 96:108]
+    sc_low = (scales[:, :8].reshape(-1, 1, 8) >> _NIBBLE_SHIFTS.reshape(1, 2, 1)) & 15
+    sc_high = (scales[:, 8:].reshape(-1, 1, 4) >> _PAIR_SHIFTS.reshape(1, 4, 1)) & 3
+    sc = (sc_low.reshape(-1, 16) | (sc_high.reshape(-1, 16) << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(b[:, 108:110]) * sc.astype(np.float32)  # d * sc: exact in float32
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES)
+
+
+def _iq4_nl(raw, rows):
+    b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles selecting IQ4_LEVELS
+    q = IQ4_LEVELS[_nibbles(b[:, 2:])]
+    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+
+
+def _iq4_xs(raw, rows):
+    b = _blocks(raw, 136)  # d f16, 2 + 4 bytes of 6-bit scales (high pairs, low nibbles), 8 x 16
+    high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = ((b[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8)) & 15).reshape(-1, 8)
+    sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    scale = _f16(b[:, 0:2]) * sc.astype(np.float32)  # per 32 weights, d * sc: exact in float32
+    q = IQ4_LEVELS[_nibbles(b[:, 8:].reshape(-1, 16))]
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 32, BYTES)
+
+
+DECODERS = {
+    "Q4_K": _q4_k,
+    "Q4_1": _q4_1,
+    "Q4_0": _q4_0,
+    "Q6_K": _q6_k,
+    "Q3_K": _q3_k,
+    "Q8_0": _q8_0,
+    "Q5_0": _q5_0,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+}
+
+
+def round_q8_0(weight: np.ndarray) -> Decoded:
+    """``weight`` [N, K] float32 rounded as ggml's Q8_0 rounds it (per 32 inputs, a scale of their
+    largest magnitude / 127 and integers in [-127, 127], halves away from zero; the scale kept in
+    float32, where a file keeps float16)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // 32, 32)
+    scale = (np.abs(blocks).max(-1) / 127).astype(np.float32)
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    scaled = blocks * inverse[..., None]
+    q = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127).astype(np.int8)
+    return Decoded(q.reshape(n, k), scale, None, 32, BYTES)
+
+
+def dequantize(raw: np.ndarray, type_name: str, rows: int) -> np.ndarray:
+    """Rows of any type ``gguf`` reads as float32 [rows, K]: the values ggml dequantizes them to."""
+    if type_name in DECODERS:
+        return DECODERS[type_name](raw, rows).weights(0, rows).astype(np.float32, copy=False)
+    from gguf import GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+
+    kind = GGMLQuantizationType.__members__.get(type_name)
+    try:
+        if kind is None:
+            raise NotImplementedError(type_name)
+        return np.asarray(gguf_dequantize(raw, kind), np.float32).reshape(rows, -1)
+    except NotImplementedError as exc:
+        raise SelfSpecError(
+            f"GGUF tensor type {type_name} cannot be read (gguf {_gguf_version()} does not "
+            "dequantize it); convert the file to another type, such as Q4_K_M or Q8_0."
+        ) from exc
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def decode(raw: np.ndarray, type_name: str, rows: int, relay: bool = False) -> Decoded:
+    """``rows`` rows of ``type_name`` blocks in a kernel format: exactly, or (``relay``, for types
+    without kernel tiles) rounded to Q8_0 from their exact float32 values."""
+    decoder = DECODERS.get(type_name)
+    if decoder is not None:
+        return decoder(raw, rows)
+    if not relay:
+        raise SelfSpecError(
+            f"speed mode gguf reads {', '.join(DECODERS)} weights exactly; this file has "
+            f"{type_name}. Use --speed gguf-q8 (which lays it out as Q8_0) or --speed packed."
+        )
+    weight = dequantize(raw, type_name, rows)
+    if weight.shape[1] % 32:
+        raise SelfSpecError(
+            f"a {type_name} weight with {weight.shape[1]} inputs cannot be laid out as Q8_0 (32 "
+            "inputs a block). Use --speed packed."
+        )
+    return round_q8_0(weight)
