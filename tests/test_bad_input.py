@@ -186,6 +186,18 @@ CLI_ROWS = [
         "unrecognized arguments: --tokens 5",
     ),
     (
+        "serve with a zero body limit",
+        ["serve", *M, "--max-body-kb", "0"],
+        None,
+        "--max-body-kb must be at least 1",
+    ),
+    (
+        "serve with no idle time",
+        ["serve", *M, "--idle-timeout", "0"],
+        None,
+        "--idle-timeout must be positive",
+    ),
+    (
         "check a missing file",
         lambda t: ["models", "--check", str(t / "absent.gguf")],
         None,

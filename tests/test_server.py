@@ -31,12 +31,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    yield from serving(tmp_path_factory, "--queue-size", str(QUEUE), "--max-batch", str(BATCH))
+
+
+def serving(tmp_path_factory, *options: str, env: dict = ENV):
+    """A fixture's body: `selfspec serve --model MODEL *options` on a free loopback port, until
+    its /health answers; yields {"base", "process", "log"} and kills it afterwards."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", MODEL]
-    command += ["--port", str(port), "--queue-size", str(QUEUE), "--max-batch", str(BATCH)]
+    command += ["--port", str(port), *options]
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -55,10 +61,10 @@ def server(tmp_path_factory):
         process.kill()
 
 
-def _client(server):
+def _client(server, api_key: str = "unused"):
     from openai import OpenAI
 
-    return OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return OpenAI(base_url=server["base"] + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
 
 def _generate(*args: str) -> str:
@@ -166,6 +172,37 @@ def test_a_later_turn_reads_only_what_the_prefix_cache_lacks(server):
     engine = Engine.load(MODEL)
     fresh = engine.generate(engine.encode_messages(messages), max_new_tokens=16)
     assert later.choices[0].message.content == fresh.text
+
+
+def test_each_response_carries_its_own_speculation_statistics(server):
+    """usage.selfspec, in whole answers and in a stream's last chunk, through the real client
+    (which keeps fields it does not know as extras). (The drafter learns across requests, so the
+    same prompt twice need not take the same rounds.)"""
+    client = _client(server)
+    prompt = "List the numbers from 1 to 30, one per line."
+    reply = _chat(client, prompt, 48)
+    _check_speculation(reply.usage)
+    messages = [{"role": "user", "content": prompt}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=48, stream=True
+        )
+    )
+    _check_speculation(chunks[-1].usage)
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def _check_speculation(usage) -> None:
+    stats = usage.model_extra["selfspec"]
+    assert stats["target_passes"] >= 1 and 0 <= stats["accepted_tokens"] <= stats["drafted_tokens"]
+    sources = stats["by_draft_source"].values()
+    assert sum(s["drafted"] for s in sources) == stats["drafted_tokens"]
+    assert sum(s["accepted"] for s in sources) == stats["accepted_tokens"]
+    # every pass gives one token besides the drafts it keeps (the last pass's may be cut)
+    assert usage.completion_tokens <= stats["target_passes"] + stats["accepted_tokens"]
+    passes = stats["target_passes"] - 1  # after the prefill
+    expected = (usage.completion_tokens - 1) / passes if passes else 0.0
+    assert stats["mean_accepted_length"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_stop_strings_end_the_text_before_them(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from selfspec.errors import SelfSpecError
 from selfspec.server import protocol as wire
+from selfspec.server.guard import LimitBody, RequireKey
 from selfspec.server.protocol import APIError, ChatRequest, CompletionRequest
 from selfspec.server.scheduler import Job, Scheduler
 
@@ -34,13 +36,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid request')}", param
 
 
+@dataclass
+class Limits:
+    """What one request may ask: ``max_tokens`` when it names none, ``max_tokens_cap`` the most
+    it may name (None: the context window), ``body_bytes`` its body's size; ``api_key`` (None:
+    open) the key every /v1 route needs."""
+
+    max_tokens: int = 1024
+    max_tokens_cap: int | None = None
+    body_bytes: int = 1 << 20
+    api_key: str | None = None
+
+
 class Service:
     """What the routes need: the engine (for tokens and limits), the scheduler, the model name
-    clients use and the default token limit."""
+    clients use and the limits."""
 
-    def __init__(self, engine: Engine, scheduler: Scheduler, model_name: str, max_tokens: int):
+    def __init__(self, engine: Engine, scheduler: Scheduler, model_name: str, limits: Limits):
         self.engine, self.scheduler = engine, scheduler
-        self.model_name, self.max_tokens = model_name, max_tokens
+        self.model_name, self.limits = model_name, limits
+        self.max_tokens = limits.max_tokens
 
     def prompt_ids(self, request: ChatRequest | CompletionRequest) -> list[int]:
         if request.model != self.model_name:
@@ -76,6 +91,11 @@ class Service:
         limit = request.token_limit()
         if limit is not None and limit < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {limit}", "max_tokens")
+        cap = self.limits.max_tokens_cap
+        if limit is not None and cap is not None and limit > cap:
+            raise APIError(
+                400, f"max_tokens {limit} is over this server's limit of {cap}", "max_tokens"
+            )
         if limit is not None and prompt_len + limit > window:
             raise APIError(
                 400,
@@ -84,7 +104,8 @@ class Service:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        tokens = limit if limit is not None else min(self.max_tokens, window - prompt_len)
+        default = min(self.max_tokens, cap or self.max_tokens)
+        tokens = limit if limit is not None else min(default, window - prompt_len)
         sampling = Sampling(temperature=request.temperature, top_p=request.top_p)
         return self.engine.decode_config(
             self.scheduler.drafter,
@@ -97,6 +118,9 @@ class Service:
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="selfspec", docs_url=None, redoc_url=None)
+    app.add_middleware(LimitBody, limit=service.limits.body_bytes)
+    if service.limits.api_key:  # outermost: a request without the key is read no further
+        app.add_middleware(RequireKey, key=service.limits.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
@@ -156,7 +180,7 @@ async def _complete(service: Service, body, request: Request, chat: bool):
                 raise APIError(500, str(data), kind="server_error")
             if kind == "done":
                 text, finish, stats = data
-                use = wire.usage(len(prompt_ids), stats.new_tokens, stats.cached_prompt_tokens)
+                use = wire.usage(len(prompt_ids), stats)
                 if chat:
                     return wire.chat_response(rid, service.model_name, text, finish, use)
                 return wire.text_response(rid, service.model_name, text, finish, use)
@@ -196,7 +220,7 @@ async def _stream(service, job: Job, events, rid: str, prompt_len: int, chat: bo
                 break
             else:
                 _text, finish, stats = data
-                use = wire.usage(prompt_len, stats.new_tokens, stats.cached_prompt_tokens)
+                use = wire.usage(prompt_len, stats)
                 last = (
                     wire.chat_chunk(rid, model, {}, finish)
                     if chat

@@ -2,7 +2,8 @@
 
     selfspec serve --model qwen2.5-coder-1.5b --port 8000
 
-then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key). A request alone runs with
+then point any OpenAI client at http://127.0.0.1:8000/v1 (any API key, unless --api-key or
+SELFSPEC_API_KEY names the one every /v1 route needs). A request alone runs with
 the default drafter (context n-gram, draft-head and layer-skip drafts, chosen each round);
 concurrent requests share passes: each pass scores every request's next token and the tokens
 drafted for it from its own text (selfspec.runtime.batch). A request whose prompt starts with
@@ -16,10 +17,12 @@ with an error event, and shuts down.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
 from selfspec.cliargs import add_model_arguments, check_at_least, load_engine, resolve_plan
+from selfspec.errors import SelfSpecError
 
 DESCRIPTION = __doc__
 DEFAULT_PORT = 8000
@@ -27,6 +30,8 @@ DEFAULT_QUEUE = 16
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_PREFIX_CACHE_MB = 512
+DEFAULT_MAX_BODY_KB = 1024
+DEFAULT_IDLE_TIMEOUT = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +65,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"new tokens when a request names no max_tokens (default {DEFAULT_MAX_TOKENS})",
     )
     parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="the most new tokens a request may ask for; more get 400 (default: the context "
+        "window)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("SELFSPEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every /v1 route (default: $SELFSPEC_API_KEY; "
+        "unset: open)",
+    )
+    parser.add_argument(
+        "--max-body-kb",
+        type=int,
+        default=DEFAULT_MAX_BODY_KB,
+        help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_KB})",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT,
+        help="seconds an idle keep-alive connection is held open (default "
+        f"{DEFAULT_IDLE_TIMEOUT:g})",
+    )
+    parser.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=DEFAULT_PREFIX_CACHE_MB,
@@ -72,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from selfspec.server.app import Service, create_app
+    from selfspec.server.app import Limits, Service, create_app
+    from selfspec.server.guard import LOOPBACK_HOSTS
     from selfspec.server.scheduler import Scheduler
 
     check_at_least("--queue-size", args.queue_size, 1)
@@ -80,18 +112,32 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--max-tokens", args.max_tokens, 1)
     check_at_least("--port", args.port, 0)
     check_at_least("--prefix-cache-mb", args.prefix_cache_mb, 0)
+    check_at_least("--max-body-kb", args.max_body_kb, 1)
+    if args.max_tokens_cap is not None:
+        check_at_least("--max-tokens-cap", args.max_tokens_cap, 1)
+    if args.idle_timeout <= 0:
+        raise SelfSpecError(f"--idle-timeout must be positive, got {args.idle_timeout:g}")
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
     scheduler = Scheduler(
         engine, drafter, args.queue_size, args.max_batch, args.prefix_cache_mb << 20
     )
-    service = Service(engine, scheduler, args.served_name or args.model, args.max_tokens)
+    limits = Limits(args.max_tokens, args.max_tokens_cap, args.max_body_kb << 10, args.api_key)
+    service = Service(engine, scheduler, args.served_name or args.model, limits)
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
+        print(
+            f"[selfspec] warning: serving on {args.host} without an API key: anyone who reaches "
+            "the port can generate (pass --api-key or set SELFSPEC_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     app = create_app(service)
     app.router.on_shutdown.append(scheduler.stop)
     print(
         f"[selfspec] serving {service.model_name} ({engine.loaded.speed}) on "
-        f"http://{args.host}:{args.port}/v1; {drafter.describe()}",
+        f"http://{args.host}:{args.port}/v1"
+        f"{' (API key required)' if args.api_key else ''}; {drafter.describe()}",
         file=sys.stderr,
         flush=True,
     )
@@ -99,7 +145,12 @@ def run(args: argparse.Namespace) -> int:
     # handler it found: ours ends the command with status 0 instead of dying by the signal.
     previous = signal.signal(signal.SIGTERM, _terminated)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=args.idle_timeout,
     )
     try:
         _server_class(uvicorn)(config, scheduler).run()

@@ -105,13 +105,32 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage block; ``cached_tokens``: prompt tokens the prefix cache gave."""
+def usage(prompt_tokens: int, stats) -> dict:
+    """OpenAI's usage block for a request decoded with ``stats`` (a DecodeStats), and selfspec's
+    figures for it under ``selfspec`` (clients that ignore unknown fields are unaffected)."""
+    completion_tokens = stats.new_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+        "selfspec": speculation(stats),
+    }
+
+
+def speculation(stats) -> dict:
+    """One request's speculation: target passes (the prefill's included), draft tokens proposed
+    and kept, tokens per pass after the prefill, and the same by kind of draft."""
+    sources = {
+        name: {"rounds": rounds, "drafted": drafted, "accepted": accepted}
+        for name, (rounds, drafted, accepted) in stats.sources.items()
+    }
+    return {
+        "target_passes": stats.target_passes + 1,
+        "drafted_tokens": stats.drafted,
+        "accepted_tokens": stats.accepted,
+        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+        "by_draft_source": sources,
     }
 
 

@@ -1,0 +1,93 @@
+"""`selfspec serve` behind a key and limits, for real: a server started with --api-key (from the
+environment), --max-body-kb and --max-tokens-cap, talked to by the real `openai` client and by
+plain HTTP for what that client cannot send."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from test_server import ENV, MODEL, _client, serving
+
+pytestmark = pytest.mark.slow
+KEY = "sk-test-9f2c1e"
+ROUTES = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    env = dict(ENV, SELFSPEC_API_KEY=KEY)
+    options = ("--max-body-kb", "4", "--max-tokens-cap", "8")
+    yield from serving(tmp_path_factory, *options, env=env)
+
+
+def _call(server, method: str, path: str, body: bytes | None = None, key: str | None = None):
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(server["base"] + path, body, headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def _chat_body(**extra) -> bytes:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return json.dumps({**body, **extra}).encode()
+
+
+@pytest.mark.parametrize("method,path", ROUTES + [("GET", "/v1/no-such-route")])
+@pytest.mark.parametrize("key", [None, "sk-wrong", KEY[:-1]])
+def test_every_v1_route_needs_the_key(guarded, method, path, key):
+    body = _chat_body() if method == "POST" else None
+    status, reply = _call(guarded, method, path, body, key)
+    assert status == 401
+    assert reply["error"]["code"] == "invalid_api_key"
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_the_key_opens_the_api_and_never_reaches_the_log(guarded):
+    from openai import AuthenticationError
+
+    assert _call(guarded, "GET", "/health")[0] == 200  # probes need no key
+    reply = _client(guarded, api_key=KEY).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    assert reply.usage.completion_tokens >= 1
+    with pytest.raises(AuthenticationError):
+        _client(guarded, api_key="sk-wrong").models.list()
+    assert KEY not in guarded["log"].read_text()
+    assert "(API key required)" in guarded["log"].read_text()
+
+
+def test_a_body_over_the_limit_is_413_declared_or_streamed(guarded):
+    big = _chat_body(user="x" * 5000)
+    status, reply = _call(guarded, "POST", "/v1/chat/completions", big, KEY)
+    assert status == 413 and "limit of 4096 bytes" in reply["error"]["message"]
+    host, port = guarded["base"].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    pieces = (big[i : i + 1000] for i in range(0, len(big), 1000))  # chunked: no length given
+    connection.request("POST", "/v1/chat/completions", pieces, headers, encode_chunked=True)
+    answer = connection.getresponse()
+    assert answer.status == 413 and b"limit of 4096 bytes" in answer.read()
+    connection.close()
+    assert _call(guarded, "POST", "/v1/chat/completions", _chat_body(), KEY)[0] == 200
+
+
+def test_max_tokens_has_a_ceiling(guarded):
+    status, reply = _call(guarded, "POST", "/v1/completions", _completion(max_tokens=9), KEY)
+    assert status == 400 and reply["error"]["param"] == "max_tokens"
+    assert "over this server's limit of 8" in reply["error"]["message"]
+    status, reply = _call(guarded, "POST", "/v1/completions", _completion(), KEY)
+    assert status == 200 and reply["usage"]["completion_tokens"] <= 8  # the default is capped
+
+
+def _completion(**extra) -> bytes:
+    body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0}
+    return json.dumps({**body, **extra}).encode()
