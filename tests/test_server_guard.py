@@ -91,3 +91,45 @@ def test_max_tokens_has_a_ceiling(guarded):
 def _completion(**extra) -> bytes:
     body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0}
     return json.dumps({**body, **extra}).encode()
+
+
+def _snapshot(folder) -> dict:
+    """Every file under ``folder``: its size and modification time."""
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }  # fmt: skip
+
+
+def test_kill_9_mid_stream_is_a_clean_client_error_and_a_restart_serves_at_once(
+    tmp_path_factory,
+):
+    from openai import APIConnectionError
+
+    from selfspec.loading.sources import ensure_bundled
+
+    first = serving(tmp_path_factory)
+    server = next(first)
+    entry = ensure_bundled(MODEL)
+    before = _snapshot(entry)  # once the server has built what it needs
+    stream = _client(server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a long story about the sea."}],
+        max_tokens=400,
+        stream=True,
+    )
+    chunks = iter(stream)
+    next(chunks)  # the stream has begun
+    server["process"].kill()
+    server["process"].wait(timeout=60)
+    with pytest.raises(APIConnectionError):  # the client's own error, not a hang
+        for _ in chunks:
+            pass
+    port = int(server["base"].rsplit(":", 1)[1])
+    second = serving(tmp_path_factory, port=port)
+    again = next(second)
+    reply = _client(again).completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert reply.usage.completion_tokens >= 1
+    for generator in (first, second):
+        next(generator, None)  # the fixture body's end: kills the server if it still runs
+    assert _snapshot(entry) == before
