@@ -62,28 +62,16 @@ def qwen05_packed():
 def tiny_llama(tmp_path_factory):
     """A randomly initialised 4-layer llama with a 64-token vocabulary, for fast exact-distribution
     tests."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tiny_models import TINY_SHAPE, word_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from selfspec.engine import Engine
     from selfspec.loading.models import LoadedModel
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).eval()
     model.config._attn_implementation = "sdpa"
-    vocab = {f"t{i}": i for i in range(64)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    tokenizer = word_level_tokenizer()
     return Engine(LoadedModel("tiny-llama", model, tokenizer, path="<memory>"))
 
 

@@ -252,16 +252,15 @@ def test_a_sampled_bench_records_its_sampling_and_compares_no_outputs(smollm2):
     from selfspec.runtime.sampling import Sampling
 
     sampling = Sampling(temperature=0.8, top_p=0.95)
-    result = bench.run_bench(
-        smollm2,
-        ["def add(a, b):", "The capital of France is"],
-        ["autoregressive", "self_speculative"],
-        max_new_tokens=12,
-        chat=False,
-        progress=False,
-        baseline=False,
-        sampling=sampling,
-        seed=3,
+
+    def sampled(prompts: list[str], methods: list[str]) -> dict:
+        return bench.run_bench(
+            smollm2, prompts, methods, max_new_tokens=12, chat=False, progress=False,
+            baseline=False, sampling=sampling, seed=3,
+        )  # fmt: skip
+
+    result = sampled(
+        ["def add(a, b):", "The capital of France is"], ["autoregressive", "self_speculative"]
     )
     assert result["config"]["sampling"] == {
         "temperature": 0.8,
@@ -276,17 +275,7 @@ def test_a_sampled_bench_records_its_sampling_and_compares_no_outputs(smollm2):
         assert method["tokens_per_second"] > 0
     md = bench.format_markdown(result)
     assert "sampled at temperature 0.8" in md and "**NO**" not in md
-    again = bench.run_bench(
-        smollm2,
-        ["def add(a, b):"],
-        ["autoregressive"],
-        max_new_tokens=12,
-        chat=False,
-        progress=False,
-        baseline=False,
-        sampling=sampling,
-        seed=3,
-    )  # the same seed: the same draws, the same tokens
+    again = sampled(["def add(a, b):"], ["autoregressive"])  # the same seed: the same draws
     first = result["prompts"][0]["methods"]["autoregressive"]["new_tokens"]
     assert again["prompts"][0]["methods"]["autoregressive"]["new_tokens"] == first
 

@@ -6,24 +6,13 @@ decoding's tokens, in the exact torch mode and in the packed kernel mode."""
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from tiny_models import TINY_SHAPE, word_level_tokenizer
+from transformers import AutoModelForCausalLM
 
 from selfspec.engine import Engine
 from selfspec.loading.models import load_model
 
-SHAPE = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+SHAPE = dict(TINY_SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -64,10 +53,7 @@ def folder(request, tmp_path_factory):
         model.lm_head.weight.mul_(4)
     out = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(out)
-    vocab = {f"t{i}": i for i in range(64)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(out)
+    word_level_tokenizer().save_pretrained(out)
     return out
 
 
