@@ -6,7 +6,7 @@ decoding's tokens, in the exact torch mode and in the packed kernel mode."""
 
 import pytest
 import torch
-from tiny_models import TINY_SHAPE, word_level_tokenizer
+from tiny_models import TINY_SHAPE, speculation_is_lossless, word_level_tokenizer
 from transformers import AutoModelForCausalLM
 
 from selfspec.engine import Engine
@@ -65,26 +65,16 @@ def _transformers_greedy(folder) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-def _greedy(engine: Engine, drafter=None) -> list[int]:
-    config = engine.decode_config(drafter, max_new_tokens=NEW_TOKENS)
-    config.eos_token_ids = ()
-    return engine.generate(PROMPT, drafter, config=config).token_ids
-
-
-def _speculation_is_lossless(engine: Engine) -> list[int]:
-    plain = _greedy(engine)
+def _lossless(engine: Engine) -> list[int]:
     plan = engine.make_plan([1, 2], [2])  # a draft every round
-    assert _greedy(engine, engine.layer_skip_drafter(plan)) == plain, "layer-skip drafts"
-    recycled = engine.self_drafter(None, layer_skip=False, heads=False, recycled=True)
-    assert _greedy(engine, recycled) == plain, "recycled drafts"
-    return plain
+    return speculation_is_lossless(engine, PROMPT, NEW_TOKENS, plan)
 
 
 def test_the_family_decodes_as_transformers_does(folder):
     engine = Engine(load_model(str(folder), speed="torch"))
-    assert _speculation_is_lossless(engine) == _transformers_greedy(folder)
+    assert _lossless(engine) == _transformers_greedy(folder)
 
 
 def test_the_family_runs_in_the_packed_kernel_mode(folder):
     engine = Engine(load_model(str(folder), speed="packed"))
-    _speculation_is_lossless(engine)
+    _lossless(engine)

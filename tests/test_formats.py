@@ -10,6 +10,7 @@ line. In both, speculation gives plain decoding's tokens in the same mode."""
 import pytest
 import torch
 from tiny_gguf import write_tiny
+from tiny_models import greedy_tokens, speculation_is_lossless
 
 from selfspec.engine import Engine
 from selfspec.errors import SelfSpecError
@@ -40,24 +41,14 @@ def _written(cache, tokenizer_source, type_name, family="llama"):
     return str(write_tiny(path, type_name, tokenizer_source, family))
 
 
-def _tokens(engine: Engine, drafter=None) -> list[int]:
-    out = engine.generate(PROMPT, drafter, max_new_tokens=NEW_TOKENS)
-    assert out.stats.new_tokens == NEW_TOKENS
-    return out.token_ids
-
-
 def _last_logits(loaded) -> torch.Tensor:
     with torch.inference_mode():
         return loaded.model(torch.tensor([PROMPT])).logits[0, -1]
 
 
 def _speculation_is_lossless(engine: Engine) -> list[int]:
-    plain = _tokens(engine)
     plan = engine.make_plan([1], [])  # the second layer's attention skipped: a draft every round
-    assert _tokens(engine, engine.layer_skip_drafter(plan)) == plain
-    recycled = engine.self_drafter(None, layer_skip=False, heads=False, recycled=True)
-    assert _tokens(engine, recycled) == plain
-    return plain
+    return speculation_is_lossless(engine, PROMPT, NEW_TOKENS, plan)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +63,9 @@ def test_exact_types_give_the_float32_model_s_logits_and_tokens(
     exact = load_model(path, speed="gguf", fused=False)
     packed = load_model(path, speed="packed", fused=False)
     assert torch.equal(_last_logits(exact), _last_logits(packed))
-    assert _speculation_is_lossless(Engine(exact)) == _tokens(Engine(float32))
+    assert _speculation_is_lossless(Engine(exact)) == greedy_tokens(
+        Engine(float32), PROMPT, NEW_TOKENS
+    )
     q8 = Engine(load_model(path, speed="gguf-q8"))
     assert q8.relaid == ()
     _speculation_is_lossless(q8)

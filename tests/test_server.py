@@ -77,13 +77,20 @@ def _generate(*args: str) -> str:
     return done.stdout[:-1]
 
 
-def _post(server, path: str, body, timeout=300) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(
-        server["base"] + path, data=data, headers={"Content-Type": "application/json"}
+def _post(server, path: str, body) -> tuple[int, dict]:
+    return call(
+        server, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode()
     )
+
+
+def call(server, method: str, path: str, body: bytes | None = None, key: str | None = None):
+    """(status, JSON reply) of one plain HTTP request, with ``key`` as its bearer token."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(server["base"] + path, body, headers, method=method)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
+        with urllib.request.urlopen(request, timeout=300) as reply:
             return reply.status, json.load(reply)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
 
 import pytest
-from test_server import ENV, MODEL, _client, serving
+from test_server import ENV, MODEL, _client, call, serving
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-9f2c1e"
@@ -24,18 +22,6 @@ def guarded(tmp_path_factory):
     yield from serving(tmp_path_factory, *options, env=env)
 
 
-def _call(server, method: str, path: str, body: bytes | None = None, key: str | None = None):
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(server["base"] + path, body, headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
-
-
 def _chat_body(**extra) -> bytes:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     return json.dumps({**body, **extra}).encode()
@@ -45,7 +31,7 @@ def _chat_body(**extra) -> bytes:
 @pytest.mark.parametrize("key", [None, "sk-wrong", KEY[:-1]])
 def test_every_v1_route_needs_the_key(guarded, method, path, key):
     body = _chat_body() if method == "POST" else None
-    status, reply = _call(guarded, method, path, body, key)
+    status, reply = call(guarded, method, path, body, key)
     assert status == 401
     assert reply["error"]["code"] == "invalid_api_key"
     assert reply["error"]["type"] == "invalid_request_error"
@@ -54,7 +40,7 @@ def test_every_v1_route_needs_the_key(guarded, method, path, key):
 def test_the_key_opens_the_api_and_never_reaches_the_log(guarded):
     from openai import AuthenticationError
 
-    assert _call(guarded, "GET", "/health")[0] == 200  # probes need no key
+    assert call(guarded, "GET", "/health")[0] == 200  # probes need no key
     reply = _client(guarded, api_key=KEY).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
@@ -67,7 +53,7 @@ def test_the_key_opens_the_api_and_never_reaches_the_log(guarded):
 
 def test_a_body_over_the_limit_is_413_declared_or_streamed(guarded):
     big = _chat_body(user="x" * 5000)
-    status, reply = _call(guarded, "POST", "/v1/chat/completions", big, KEY)
+    status, reply = call(guarded, "POST", "/v1/chat/completions", big, KEY)
     assert status == 413 and "limit of 4096 bytes" in reply["error"]["message"]
     host, port = guarded["base"].removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -77,14 +63,14 @@ def test_a_body_over_the_limit_is_413_declared_or_streamed(guarded):
     answer = connection.getresponse()
     assert answer.status == 413 and b"limit of 4096 bytes" in answer.read()
     connection.close()
-    assert _call(guarded, "POST", "/v1/chat/completions", _chat_body(), KEY)[0] == 200
+    assert call(guarded, "POST", "/v1/chat/completions", _chat_body(), KEY)[0] == 200
 
 
 def test_max_tokens_has_a_ceiling(guarded):
-    status, reply = _call(guarded, "POST", "/v1/completions", _completion(max_tokens=9), KEY)
+    status, reply = call(guarded, "POST", "/v1/completions", _completion(max_tokens=9), KEY)
     assert status == 400 and reply["error"]["param"] == "max_tokens"
     assert "over this server's limit of 8" in reply["error"]["message"]
-    status, reply = _call(guarded, "POST", "/v1/completions", _completion(), KEY)
+    status, reply = call(guarded, "POST", "/v1/completions", _completion(), KEY)
     assert status == 200 and reply["usage"]["completion_tokens"] <= 8  # the default is capped
 
 

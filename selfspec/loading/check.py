@@ -80,20 +80,15 @@ def _check_gguf(path: Path) -> CheckReport:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     from selfspec.loading.gguf_reader import read_gguf
-    from selfspec.speed.blocks import DECODERS, dequantize
+    from selfspec.speed.blocks import DECODERS, read_problem
 
     gguf = read_gguf(path)  # a damaged file: a one-line error
     arch = gguf.architecture
     model_type = _MODEL_TYPES.get(arch, arch)
     report = CheckReport(str(path), arch, model_type)
     report.types = dict(Counter(t.type_name for t in gguf.tensors.values()))
-    unreadable = []
-    for type_name in report.types:
-        tensor = next(t for t in gguf.tensors.values() if t.type_name == type_name)
-        try:
-            dequantize(tensor.read_rows(0, 1), type_name, 1)
-        except SelfSpecError:
-            unreadable.append(type_name)
+    one_of_each = {t.type_name: t for t in gguf.tensors.values()}
+    unreadable = [name for name, tensor in one_of_each.items() if read_problem(tensor)]
     if arch not in GGUF_CONFIG_MAPPING:
         report.problem = f"transformers cannot read the GGUF architecture '{arch}'"
     elif unreadable:

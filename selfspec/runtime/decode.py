@@ -223,11 +223,11 @@ def accept(
         fast = accept_certain(draft.tokens, target_logits, sampling, generator)
         if fast is not None:
             return fast
+        if draft.tokens:  # the general rule, with q = 1 on each token
+            draft = Draft(draft.tokens, point_masses(draft.tokens, target_logits.shape[-1]))
     target_probs = sampling.probs(target_logits)
     if not draft.tokens:
         return 0, sample(target_probs[0], generator)
-    if draft.probs is None:
-        draft = Draft(draft.tokens, point_masses(draft.tokens, target_logits.shape[-1]))
     draft_probs = draft.probs
     if draft_probs.shape[-1] != target_probs.shape[-1]:
         draft_probs = _match_vocab(draft_probs, target_probs.shape[-1])

@@ -59,13 +59,8 @@ class Sampling:
         """One token from one row of logits (argmax when greedy)."""
         if self.greedy:
             return argmax_rows(logits)[0]
-        kernel = self.kernel_for(logits)
-        if kernel is not None:
-            row = logits.reshape(-1).float()
-            top, total = kernel.softmax_partition(row[None], self.temperature)
-            if math.isfinite(total[0]):
-                return _draw(kernel, row, self, float(top[0]), float(total[0]), generator)
-        return sample(self.probs(logits), generator)
+        drawn = accept_certain([], logits.reshape(1, -1), self, generator)  # no draft: a draw
+        return drawn[1] if drawn is not None else sample(self.probs(logits), generator)
 
     def kernel_for(self, logits: torch.Tensor):
         """The kernel where it can sample this distribution (plain temperature sampling of CPU
@@ -110,9 +105,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     flat = probs.reshape(-1).float()
     n = flat.shape[0]
     padded = torch.nn.functional.pad(flat, (0, -n % _SAMPLE_BLOCK)).view(-1, _SAMPLE_BLOCK)
-    block_cdf = padded.sum(1, dtype=torch.float64).cumsum(0)
+    block_sums = padded.sum(1, dtype=torch.float64)
+    block_cdf = block_sums.cumsum(0)
     u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(block_cdf[-1])
-    b = _first_above(block_cdf, u, padded.sum(1) > 0)
+    b = _first_above(block_cdf, u, block_sums > 0)
     within = u - (float(block_cdf[b - 1]) if b else 0.0)
     row = padded[b]
     return b * _SAMPLE_BLOCK + _first_above(row.double().cumsum(0), within, row > 0)

@@ -55,7 +55,6 @@ class Service:
     def __init__(self, engine: Engine, scheduler: Scheduler, model_name: str, limits: Limits):
         self.engine, self.scheduler = engine, scheduler
         self.model_name, self.limits = model_name, limits
-        self.max_tokens = limits.max_tokens
 
     def prompt_ids(self, request: ChatRequest | CompletionRequest) -> list[int]:
         if request.model != self.model_name:
@@ -79,7 +78,7 @@ class Service:
     def job_config(self, request, prompt_len: int):
         from selfspec.runtime.sampling import Sampling
 
-        window = self.engine.runner.context_window or (prompt_len + self.max_tokens)
+        window = self.engine.runner.context_window or (prompt_len + self.limits.max_tokens)
         if prompt_len >= window:
             raise APIError(
                 400,
@@ -104,7 +103,7 @@ class Service:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        default = min(self.max_tokens, cap or self.max_tokens)
+        default = min(self.limits.max_tokens, cap or self.limits.max_tokens)
         tokens = limit if limit is not None else min(default, window - prompt_len)
         sampling = Sampling(temperature=request.temperature, top_p=request.top_p)
         return self.engine.decode_config(

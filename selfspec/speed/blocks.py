@@ -62,6 +62,19 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(raw).reshape(-1, block_bytes)
 
 
+# ggml's kvalues_iq4nl: the 16 levels an IQ4 nibble selects, times the block's scale
+IQ4_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
+)
+_NIBBLE_SHIFTS = np.array([0, 4], np.uint8).reshape(1, 2, 1)
+_PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes -> [blocks, 32]: low nibbles are values 0-15, high ones 16-31."""
+    return ((packed.reshape(-1, 1, 16) >> _NIBBLE_SHIFTS) & 15).reshape(-1, 32)
+
+
 def _q4_k(raw, rows):
     b = _blocks(
         raw, 144
@@ -90,7 +103,7 @@ def _q4_k(raw, rows):
 def _q4_1(raw, rows):
     b = _blocks(raw, 20)  # d f16, m f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)
     d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    q = (b[:, 4:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
+    q = _nibbles(b[:, 4:])
     return Decoded(q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 32, NIBBLES)
 
 
@@ -117,22 +130,8 @@ def _q8_0(raw, rows):
 def _q5_0(raw, rows):
     b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
     high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-    low = (b[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
-    q = (low.reshape(-1, 32) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    q = (_nibbles(b[:, 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
     return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
-
-
-# ggml's kvalues_iq4nl: the 16 levels an IQ4 nibble selects, times the block's scale
-IQ4_LEVELS = np.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
-)
-_NIBBLE_SHIFTS = np.array([0, 4], np.uint8).reshape(1, 2, 1)
-_PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)
-
-
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """[blocks, 16] bytes -> [blocks, 32]: low nibbles are values 0-15, high ones 16-31."""
-    return ((packed.reshape(-1, 1, 16) >> _NIBBLE_SHIFTS) & 15).reshape(-1, 32)
 
 
 def _q4_0(raw, rows):
@@ -219,6 +218,15 @@ def dequantize(raw: np.ndarray, type_name: str, rows: int) -> np.ndarray:
             f"GGUF tensor type {type_name} cannot be read (gguf {_gguf_version()} does not "
             "dequantize it); convert the file to another type, such as Q4_K_M or Q8_0."
         ) from exc
+
+
+def read_problem(tensor) -> str | None:
+    """Why ``tensor`` (a GGUFTensor) cannot be read, tried on its first row; None if it can."""
+    try:
+        dequantize(tensor.read_rows(0, 1), tensor.type_name, 1)
+    except SelfSpecError as exc:
+        return str(exc)
+    return None
 
 
 def _gguf_version() -> str:

@@ -42,6 +42,7 @@ from selfspec.speed.blocks import (
     Decoded,
     decode,
     dequantize,
+    read_problem,
     round_q8_0,
 )
 
@@ -311,10 +312,9 @@ def check_types(sources: list[tuple], relay: bool, gguf_path: Path) -> None:
                 f"{gguf_path.name} is {tensor.type_name}. Use --speed gguf-q8 (which lays it out "
                 "as Q8_0) or --speed packed."
             )
-        try:
-            dequantize(tensor.read_rows(0, 1), tensor.type_name, 1)
-        except SelfSpecError as exc:
-            raise SelfSpecError(f"{gguf_name} in {gguf_path.name}: {exc}") from None
+        problem = read_problem(tensor)
+        if problem:
+            raise SelfSpecError(f"{gguf_name} in {gguf_path.name}: {problem}")
 
 
 def layer_type(type_name: str, relay: bool) -> str:
