@@ -211,7 +211,10 @@ class Engine:
             raise SelfSpecError("the prompt is empty: give some text to continue.")
         if chat:
             return self.encode_messages([{"role": "user", "content": prompt}])
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:  # only characters this tokenizer drops (control characters, say)
+            raise SelfSpecError("the prompt is empty once tokenized: give some text to continue.")
+        return ids
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """A conversation ([{"role": ..., "content": ...}, ...]) through the model's chat

@@ -116,6 +116,10 @@ def test_top_k_top_p_warping():
     probs = Sampling(temperature=1.0, top_p=0.7).probs(logits)
     assert full[0] < 0.7 <= full[:2].sum()
     assert (probs[:2] > 0).all() and (probs[2:] == 0).all()
+    assert Sampling(temperature=5e-324).pick(logits, None) == 0  # tiny: greedy, not NaN
+    for tiny in (1e-9, 5e-324):  # 5e-324 is 0 in float32: the top token must still be kept
+        probs = Sampling(temperature=1.0, top_p=tiny).probs(logits)
+        assert probs.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.fixture(scope="module")

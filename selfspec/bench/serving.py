@@ -10,8 +10,10 @@ instead of shrinking as answers of different lengths end.
 It starts the server itself on a free loopback port (same model, speed mode and defaults as
 `selfspec serve`), waits for /health, runs the requests alone and stops it, then does the same
 for the streams on a fresh server (so the streams find nothing of the solo phase in the prefix
-cache). Greedy requests, so every
-concurrent answer must equal its solo answer (checked). Needs the `openai` package.
+cache). Greedy by default, so every concurrent answer must equal its solo answer (checked);
+with ``--temperature`` each request samples with its own seed (``--seed`` plus its index), the
+same alone and among the streams, and the answers are not compared (a request's drafts differ
+inside a batch, and with them the draws). Needs the `openai` package.
 
 From the server's /metrics it also splits each phase's engine time into prefill, passes of the
 batch (with their rows per pass and milliseconds per pass) and decoding alone, which says where
@@ -90,12 +92,15 @@ def _start_server(model: str, speed: str, port: int, prefix_cache_mb: int) -> su
     raise SystemExit("the server did not come up in 10 minutes")
 
 
-def _one(client, model: str, prompt: str, tokens: int) -> dict:
+def _one(client, model: str, prompt: str, tokens: int, sampling: tuple = (0.0, None)) -> dict:
+    """One chat request; ``sampling`` is its (temperature, seed)."""
     start = time.perf_counter()
+    temperature, seed = sampling
     reply = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
-        temperature=0,
+        temperature=temperature,
+        seed=seed,
         max_tokens=tokens,
     )
     seconds = time.perf_counter() - start
@@ -110,14 +115,14 @@ def _one(client, model: str, prompt: str, tokens: int) -> dict:
 
 
 def _together(
-    client, model: str, prompts: list[str], tokens: int, streams: int
+    client, model: str, prompts: list[str], tokens: int, streams: int, samplings: list[tuple]
 ) -> tuple[list[dict], float]:
     """Stream s sends prompts s, s + streams, ... one after another; all streams at once."""
     results: list = [None] * len(prompts)
 
     def ask(first: int) -> None:
         for i in range(first, len(prompts), streams):
-            results[i] = _one(client, model, prompts[i], tokens)
+            results[i] = _one(client, model, prompts[i], tokens, samplings[i])
 
     start = time.perf_counter()
     threads = [threading.Thread(target=ask, args=(s,)) for s in range(streams)]
@@ -153,17 +158,28 @@ def bench_serving(
     tokens: int,
     prompts: list[str],
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Each prompt alone, then the streams; each phase on a server of its own, so the streams'
     requests find in the prefix cache only what their own phase left there (the chat
     template's opening), not the same prompts asked alone before."""
+    samplings = [(temperature, seed + i if temperature else None) for i in range(len(prompts))]
     alone, start, before = _on_a_server(
-        model, speed, prefix_cache_mb, lambda c: [_one(c, model, p, tokens) for p in prompts]
+        model,
+        speed,
+        prefix_cache_mb,
+        lambda c: [_one(c, model, p, tokens, s) for p, s in zip(prompts, samplings)],
     )
     (together, seconds), middle, after = _on_a_server(
-        model, speed, prefix_cache_mb, lambda c: _together(c, model, prompts, tokens, streams)
+        model,
+        speed,
+        prefix_cache_mb,
+        lambda c: _together(c, model, prompts, tokens, streams, samplings),
     )
     identical = all(a["text"] == t["text"] for a, t in zip(alone, together))
+    if temperature:
+        identical = None  # sampled: not compared
     alone_median = statistics.median(a["tok_s"] for a in alone)
     per_stream = [t["tok_s"] / a["tok_s"] for a, t in zip(alone, together)]
     aggregate = sum(t["tokens"] for t in together) / seconds
@@ -173,6 +189,8 @@ def bench_serving(
         "streams": streams,
         "requests": len(prompts),
         "max_tokens": tokens,
+        "temperature": temperature,
+        "seed": seed if temperature else None,
         "completion_tokens": sum(t["tokens"] for t in together),
         "alone_tok_s_median": round(alone_median, 2),
         "aggregate_tok_s": round(aggregate, 2),
@@ -239,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="requests each stream sends one after another (default 1)",
     )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 (default): greedy, answers compared"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     args = parser.parse_args(argv)
     if min(args.streams, args.max_tokens, args.prompts_per_stream) < 1:
         parser.error("--streams, --max-tokens and --prompts-per-stream must be at least 1")
     if args.prefix_cache_mb < 0:
         parser.error("--prefix-cache-mb must be 0 (off) or more")
+    if not 0 <= args.temperature <= 2:
+        parser.error("--temperature must be in [0, 2]")
     wanted = args.streams * args.prompts_per_stream
     prompts = load_prompts(args.prompts)
     chosen = categories_in_turn(prompts)[:wanted]  # so that each stream gets a mix
@@ -251,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.prompts} holds {len(chosen)} prompts; {wanted} are needed")
     texts = [p.text for p in chosen]
     result = bench_serving(
-        args.model, args.speed, args.streams, args.max_tokens, texts, args.prefix_cache_mb
+        args.model,
+        args.speed,
+        args.streams,
+        args.max_tokens,
+        texts,
+        args.prefix_cache_mb,
+        args.temperature,
+        args.seed,
     )
     emit(result, args.out)
     return 0

@@ -19,9 +19,13 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels import loaded_kernel
 
 
+# Temperatures this small are argmax (their limit): dividing logits by them overflows float32.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or under GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
 
@@ -35,7 +39,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distribution over the vocabulary, [..., vocab], float32."""
@@ -51,6 +55,7 @@ class Sampling:
             cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
             # Drop a token when the mass before it already reaches top_p (always keep the first).
             drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= self.top_p
+            drop_sorted[..., 0] = False  # a top_p under float32's least value rounds to 0
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return torch.softmax(logits, dim=-1)

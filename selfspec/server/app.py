@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from selfspec.errors import SelfSpecError
 from selfspec.server import protocol as wire
 from selfspec.server.guard import LimitBody, RequireKey
-from selfspec.server.protocol import APIError, ChatRequest, CompletionRequest
+from selfspec.server.protocol import APIError, ChatRequest, CompletionRequest, ErrorBody
 from selfspec.server.scheduler import Job, Scheduler
 
 if TYPE_CHECKING:
@@ -87,14 +89,13 @@ class Service:
                 "messages" if isinstance(request, ChatRequest) else "prompt",
                 "context_length_exceeded",
             )
-        limit = request.token_limit()
-        if limit is not None and limit < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {limit}", "max_tokens")
         cap = self.limits.max_tokens_cap
-        if limit is not None and cap is not None and limit > cap:
-            raise APIError(
-                400, f"max_tokens {limit} is over this server's limit of {cap}", "max_tokens"
-            )
+        for name, value in request.token_limits().items():  # each one given, used or not
+            if value < 1:
+                raise APIError(400, f"{name} must be at least 1, got {value}", name)
+            if cap is not None and value > cap:
+                raise APIError(400, f"{name} {value} is over this server's limit of {cap}", name)
+        limit = request.token_limit()
         if limit is not None and prompt_len + limit > window:
             raise APIError(
                 400,
@@ -125,6 +126,11 @@ def create_app(service: Service) -> FastAPI:
     async def api_error(_request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(HTTPException)  # FastAPI's own: an unreadable body, an unknown path
+    async def http_error(_request, exc: HTTPException):
+        error = APIError(exc.status_code, str(exc.detail))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request, exc: RequestValidationError):
         message, param = _validation_message(exc)
@@ -139,7 +145,7 @@ def create_app(service: Service) -> FastAPI:
         entry = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "selfspec"}
         return {"object": "list", "data": [entry]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         text = service.scheduler.metrics.prometheus()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -152,6 +158,21 @@ def create_app(service: Service) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await _complete(service, body, request, chat=False)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            schema["components"]["schemas"].update(error.pop("$defs"))
+            schema["components"]["schemas"]["ErrorBody"] = error
+            app.openapi_schema = wire.describe(
+                schema,
+                service.model_name,
+                service.limits.max_tokens_cap,
+                keyed=service.limits.api_key is not None,
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
