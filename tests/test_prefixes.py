@@ -30,7 +30,7 @@ def _rows(cache: KVCache, n: int) -> list[float]:
 
 
 def test_the_longest_stored_prefix_is_restored_but_never_the_prompts_last_token():
-    store = PrefixStore(budget_bytes=10**6)
+    store = PrefixStore(budget_bytes=10**6, block_tokens=3)  # entries end inside a block
     store.save([1, 2, 3, 4], _filled([1, 2, 3, 4]))
     store.save([1, 2, 7], _filled([1, 2, 7]))
     fresh = KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu")
@@ -43,7 +43,7 @@ def test_the_longest_stored_prefix_is_restored_but_never_the_prompts_last_token(
 
 
 def test_an_extended_entry_is_dropped_and_the_least_recently_used_goes_first():
-    store = PrefixStore(budget_bytes=10 * PER_TOKEN)
+    store = PrefixStore(budget_bytes=10 * PER_TOKEN, block_tokens=1)
     store.save([1, 2, 3], _filled([1, 2, 3]))
     store.save([1, 2, 3, 4, 5], _filled([1, 2, 3, 4, 5]))  # extends the first
     assert [e.tokens.tolist() for e in store.entries] == [[1, 2, 3, 4, 5]]
@@ -65,3 +65,21 @@ def test_a_store_without_budget_keeps_nothing():
     store.save([1, 2, 3], _filled([1, 2, 3]))
     assert store.entries == []
     assert store.restore([1, 2, 3, 4], _filled([])) == 0
+
+
+def test_entries_come_and_go_inside_one_pool_of_blocks():
+    """Many entries of every length saved and dropped: the store keeps writing the same pool
+    (no memory of its own past the budget), and what it restores is still each entry's rows."""
+    store = PrefixStore(budget_bytes=40 * PER_TOKEN, block_tokens=4)  # 10 blocks
+    store.save([0, 1], _filled([0, 1]))
+    pool = store.pool.data_ptr()
+    for start in range(100, 400, 10):
+        tokens = list(range(start, start + 1 + start % 7 * 3))  # 1 to 19 tokens
+        store.save(tokens, _filled(tokens))
+        assert store.nbytes <= store.budget_bytes and store.pool.data_ptr() == pool
+        used = sum(len(e.blocks) for e in store.entries)
+        assert used + len(store.free) == 10  # every block held once: in an entry or free
+        fresh = KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu")
+        assert store.restore([*tokens, 0], fresh) == len(tokens)
+        assert _rows(fresh, len(tokens)) == tokens
+        assert float(fresh.layer(2)[1][1, len(tokens) - 1, 3]) == -(tokens[-1] + 2000)

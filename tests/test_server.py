@@ -467,3 +467,17 @@ def test_the_closed_loop_bench_decodes_every_request_in_full():
     assert result["requests"] == 4 and 4 <= result["tokens"] <= 4 * 12
     assert 0 < result["prompt_tokens_cached"] < result["prompt_tokens"]
     assert result["rows"] >= result["passes"] > 0 and result["aggregate_tok_s"] > 0
+
+
+def test_the_load_bench_sends_every_kind_of_request_and_leaves_no_slot():
+    """`python -m selfspec.bench.load` (locust, headless) against its own real server: a mix of
+    whole and streamed requests, greedy and sampled, some streams dropped by the client after
+    two chunks; none fails, every slot is freed, and the server's RSS is followed."""
+    result = _bench("load", "--users", "3", "--requests", "30", "--max-tokens", "8")
+    assert result["requests"] == 30 and sum(result["by_kind"].values()) == 30
+    assert all(count > 0 for count in result["by_kind"].values()), result["by_kind"]
+    assert result["errors"] == 0 and result["error_examples"] == []
+    assert result["slots_left"] == {"running": 0, "queued": 0}
+    assert result["first_token_ms"]["n"] > 0 and result["latency_ms"]["n"] > 0
+    assert 0 < result["completion_tokens"] <= 30 * 8
+    assert result["rss_mb_samples"] > 0 and result["rss_mb_max"] > 100  # the server, a real model

@@ -68,15 +68,18 @@ def categories_in_turn(prompts: list[Prompt]) -> list[Prompt]:
     return [p for group in itertools.zip_longest(*by_category.values()) for p in group if p]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _start_server(model: str, speed: str, port: int, prefix_cache_mb: int) -> subprocess.Popen:
+def start_server(
+    model: str, speed: str, port: int, prefix_cache_mb: int, queue: int = 64
+) -> subprocess.Popen:
+    """`selfspec serve` on a loopback ``port``, once its /health answers."""
     command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", model, "--speed", speed]
-    command += ["--port", str(port), "--queue-size", "64"]
+    command += ["--port", str(port), "--queue-size", str(queue)]
     command += ["--prefix-cache-mb", str(prefix_cache_mb)]
     env = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
     process = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
@@ -138,8 +141,8 @@ def _on_a_server(model: str, speed: str, prefix_cache_mb: int, work):
     server's counters before and after it."""
     from openai import OpenAI
 
-    port = _free_port()
-    server = _start_server(model, speed, port, prefix_cache_mb)
+    port = free_port()
+    server = start_server(model, speed, port, prefix_cache_mb)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
         _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)

@@ -18,7 +18,6 @@ import torch
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import loaded_kernel
 
-
 # Temperatures this small are argmax (their limit): dividing logits by them overflows float32.
 GREEDY_BELOW = 1e-5
 
