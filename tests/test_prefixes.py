@@ -53,9 +53,10 @@ def test_an_extended_entry_is_dropped_and_the_least_recently_used_goes_first():
     store.restore([1, 2, 3, 6], KVCache(LAYERS, HEADS, DIM, 32, torch.float32, "cpu"))
     store.save([20, 21, 22, 23], _filled([20, 21, 22, 23]))  # 12 tokens > 10: [8, 9, 10] goes
     assert [e.tokens[0].item() for e in store.entries] == [1, 20]
-    assert store.nbytes <= store.budget_bytes
+    assert store.nbytes <= store.budget_bytes and store.evictions == 1  # extended: not counted
     store.save(list(range(40, 60)), _filled(list(range(40, 60))))  # alone past the budget
     assert [e.tokens.tolist() for e in store.entries] == [list(range(40, 50))]
+    assert store.evictions == 3
     store.save(list(range(40, 58)), _filled(list(range(40, 58))))  # cut to what it holds
     assert [e.tokens.tolist() for e in store.entries] == [list(range(40, 50))]
 

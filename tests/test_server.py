@@ -175,8 +175,9 @@ def test_a_later_turn_reads_only_what_the_prefix_cache_lacks(server):
     )
     cached = later.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens < cached < later.usage.prompt_tokens
-    spent = _metrics(server)["prompt_tokens_cached_total"] - before["prompt_tokens_cached_total"]
-    assert spent == cached
+    after = _metrics(server)
+    assert after["prompt_tokens_cached_total"] - before["prompt_tokens_cached_total"] == cached
+    assert after["prefix_cache_bytes"] > 0 and after["prefix_cache_evictions_total"] == 0
     engine = Engine.load(MODEL)
     fresh = engine.generate(engine.encode_messages(messages), max_new_tokens=16)
     assert later.choices[0].message.content == fresh.text

@@ -141,12 +141,23 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
     }
 
 
-def _sample_rss(pid: int | None, load: Load, samples: list, started: float) -> None:
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
+        rows = [line.split() for line in reply.read().decode().splitlines()]
+    return {r[0].removeprefix("selfspec_"): float(r[1]) for r in rows if r and r[0][0] != "#"}
+
+
+def _sample_rss(url: str, pid: int | None, load: Load, samples: list, full: list) -> None:
+    """Every second: (seconds, requests sent, the server's RSS in MB); and in ``full`` the
+    requests sent when the server's prefix cache first dropped an entry (it had filled)."""
     process = psutil.Process(pid) if pid else None
+    started = time.perf_counter()
     while True:
         if process is not None:
             rss = process.memory_info().rss / 2**20
             samples.append((round(time.perf_counter() - started, 1), load.sent, round(rss, 1)))
+        if not full and _metrics(url).get("prefix_cache_evictions_total", 0) > 0:
+            full.append(load.sent)
         gevent.sleep(1.0)
 
 
@@ -155,11 +166,12 @@ def _rss_summary(samples: list, warmup: int) -> dict:
     at the end (the median of the last tenth): the growth between them is the soak's figure."""
     after = [s for s in samples if s[1] >= warmup]
     if len(after) < 4:
-        return {"rss_mb_samples": len(samples)}
+        return {"rss_mb_samples": len(samples), "warmup_requests": warmup}
     tenth = max(1, len(after) // 10)
     base = statistics.median(s[2] for s in after[:tenth])
     end = statistics.median(s[2] for s in after[-tenth:])
     return {
+        "warmup_requests": warmup,
         "rss_mb_after_warmup": round(base, 1),
         "rss_mb_end": round(end, 1),
         "rss_mb_max": max(s[2] for s in samples),
@@ -174,9 +186,7 @@ def _slots_left(url: str) -> dict:
     noticed within a second), read from /metrics."""
     deadline, counts = time.monotonic() + 15, {}
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-            rows = [line.split() for line in reply.read().decode().splitlines()]
-        counts = {r[0].removeprefix("selfspec_"): float(r[1]) for r in rows if r and r[0][0] != "#"}
+        counts = _metrics(url)
         if counts["requests_running"] == 0 and counts["queue_depth"] == 0:
             break
         gevent.sleep(0.5)
@@ -188,8 +198,9 @@ def run_load(url: str, pid: int | None, load: Load, users: int, warmup: int) -> 
     environment = Environment(user_classes=[ServeUser], host=url)
     runner = environment.create_local_runner()
     samples: list = []
+    full: list = []
     started = time.perf_counter()
-    sampler = gevent.spawn(_sample_rss, pid, load, samples, started)
+    sampler = gevent.spawn(_sample_rss, url, pid, load, samples, full)
     runner.start(users, spawn_rate=users)
     while runner.user_count > 0 or load.sent == 0:
         gevent.sleep(0.2)
@@ -210,8 +221,9 @@ def run_load(url: str, pid: int | None, load: Load, users: int, warmup: int) -> 
         "latency_ms": _percentiles(load.latencies),
         "first_token_ms": _percentiles(load.first_token),
         "between_chunks_ms": _percentiles(load.between_chunks),
-        "warmup_requests": warmup,
-        **_rss_summary(samples, warmup),
+        "prefix_cache_full_after_requests": full[0] if full else None,
+        # the warm-up ends once the prefix cache has filled, if it does, and not before --warmup
+        **_rss_summary(samples, max(warmup, full[0] if full else 0)),
         "slots_left": _slots_left(url),
     }
 
@@ -248,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup",
         type=int,
         default=None,
-        help="requests before RSS is taken as the base (default: a fifth of --requests, by "
-        "when the prefix cache has filled)",
+        help="requests before RSS is taken as the base (default: a fifth of --requests); "
+        "later if the server's prefix cache is still filling then",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-rss-growth", type=float, default=5.0, help="percent, for --check")

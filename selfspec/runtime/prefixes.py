@@ -40,6 +40,7 @@ class PrefixStore:
         self.entries: list[_Entry] = []  # least recently used first
         self.pool: torch.Tensor | None = None  # [blocks, layers, 2, heads, block_tokens, dim]
         self.free: list[int] = []
+        self.evictions = 0  # entries dropped to make room
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +91,7 @@ class PrefixStore:
         needed = -(-n // b)
         while len(self.free) < needed:
             self._drop(self.entries[0])
+            self.evictions += 1
         blocks = torch.tensor([self.free.pop() for _ in range(needed)], dtype=torch.long)
         whole, rest = divmod(n, b)
         for i in range(len(cache.keys)):

@@ -89,6 +89,8 @@ class Metrics:
     batch_seconds: float = 0.0
     active: int = 0
     queued: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_evictions: int = 0
 
     def prometheus(self) -> str:
         speed = self.completion_tokens / self.busy if self.busy else 0.0
@@ -137,6 +139,18 @@ class Metrics:
             ("mean_accepted_length", "gauge", "tokens per full-model pass", mal),
             ("requests_running", "gauge", "requests being generated", self.active),
             ("queue_depth", "gauge", "requests waiting", self.queued),
+            (
+                "prefix_cache_bytes",
+                "gauge",
+                "keys and values the prefix cache holds (whole blocks)",
+                self.prefix_cache_bytes,
+            ),
+            (
+                "prefix_cache_evictions_total",
+                "counter",
+                "entries dropped to make room (the cache has been full)",
+                self.prefix_cache_evictions,
+            ),
         ]
         lines = []
         for name, kind, help_text, value in rows:
@@ -402,6 +416,8 @@ class Scheduler:
         requests that start with them; not while shutting down."""
         if self.prefixes is not None and not self.stopping.is_set():
             self.prefixes.save(tokens, cache)
+            self.metrics.prefix_cache_bytes = self.prefixes.nbytes
+            self.metrics.prefix_cache_evictions = self.prefixes.evictions
 
     def _done(self, job: Job, trimmer: StopTrimmer, stats, prefilled_apart: bool = True) -> None:
         """``prefilled_apart``: the prompt was read in a pass of its own (its time counts as
