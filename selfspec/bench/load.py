@@ -165,8 +165,14 @@ def _rss_summary(samples: list, warmup: int) -> dict:
     """RSS once ``warmup`` requests were sent (the median of the next tenth of the samples) and
     at the end (the median of the last tenth): the growth between them is the soak's figure."""
     after = [s for s in samples if s[1] >= warmup]
-    if len(after) < 4:
-        return {"rss_mb_samples": len(samples), "warmup_requests": warmup}
+    if len(after) < 4:  # too short a run (or RSS not followed) to judge growth
+        top = max((s[2] for s in samples), default=None)
+        return {
+            "warmup_requests": warmup,
+            "rss_mb_max": top,
+            "rss_growth_pct": None,
+            "rss_mb_samples": len(samples),
+        }
     tenth = max(1, len(after) // 10)
     base = statistics.median(s[2] for s in after[:tenth])
     end = statistics.median(s[2] for s in after[-tenth:])
@@ -233,8 +239,12 @@ def verdict(result: dict, max_growth: float) -> list[str]:
     problems = []
     if result["errors"]:
         problems.append(f"{result['errors']} errors")
-    growth = result.get("rss_growth_pct")
-    if growth is not None and growth > max_growth:
+    growth = result["rss_growth_pct"]
+    if growth is None:
+        problems.append(
+            "no RSS growth figure (RSS not followed, or too few samples after the warm-up)"
+        )
+    elif growth > max_growth:
         problems.append(f"RSS grew {growth}% after the warm-up (limit {max_growth}%)")
     if result["slots_left"] != {"running": 0, "queued": 0}:
         problems.append(f"slots left: {result['slots_left']}")

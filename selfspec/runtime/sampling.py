@@ -18,7 +18,8 @@ import torch
 from selfspec.errors import SelfSpecError
 from selfspec.kernels import loaded_kernel
 
-# Temperatures this small are argmax (their limit): dividing logits by them overflows float32.
+# Temperatures this small are argmax (their limit); far smaller ones round to 0 in float32 or
+# make logits / temperature overflow, and the softmax would give NaNs.
 GREEDY_BELOW = 1e-5
 
 

@@ -86,8 +86,11 @@ def describe(schema: dict, model_name: str, max_tokens_cap: int | None, keyed: b
                 continue
             if keyed:
                 operation["security"] = [{"key": []}]
-            statuses = ERROR_STATUSES if "requestBody" in operation else {401: ERROR_STATUSES[401]}
-            for status, why in statuses.items():
+            statuses = dict(ERROR_STATUSES) if "requestBody" in operation else {401: ""}
+            if not keyed:
+                statuses.pop(401)
+            for status in statuses:
+                why = ERROR_STATUSES[status]
                 content = {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
                 }
