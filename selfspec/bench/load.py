@@ -24,12 +24,17 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 
 import gevent
 import psutil
 
-from selfspec.bench.serving import categories_in_turn, emit, free_port, start_server
+from selfspec.bench.serving import (
+    categories_in_turn,
+    emit,
+    free_port,
+    server_counters,
+    start_server,
+)
 from selfspec.prompts import load_prompts
 from selfspec.server.cli import DEFAULT_PREFIX_CACHE_MB
 
@@ -141,12 +146,6 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
     }
 
 
-def _metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as reply:
-        rows = [line.split() for line in reply.read().decode().splitlines()]
-    return {r[0].removeprefix("selfspec_"): float(r[1]) for r in rows if r and r[0][0] != "#"}
-
-
 def _sample_rss(url: str, pid: int | None, load: Load, samples: list, full: list) -> None:
     """Every second: (seconds, requests sent, the server's RSS in MB); and in ``full`` the
     requests sent when the server's prefix cache first dropped an entry (it had filled)."""
@@ -156,7 +155,7 @@ def _sample_rss(url: str, pid: int | None, load: Load, samples: list, full: list
         if process is not None:
             rss = process.memory_info().rss / 2**20
             samples.append((round(time.perf_counter() - started, 1), load.sent, round(rss, 1)))
-        if not full and _metrics(url).get("prefix_cache_evictions_total", 0) > 0:
+        if not full and server_counters(url).get("prefix_cache_evictions_total", 0) > 0:
             full.append(load.sent)
         gevent.sleep(1.0)
 
@@ -192,7 +191,7 @@ def _slots_left(url: str) -> dict:
     noticed within a second), read from /metrics."""
     deadline, counts = time.monotonic() + 15, {}
     while time.monotonic() < deadline:
-        counts = _metrics(url)
+        counts = server_counters(url)
         if counts["requests_running"] == 0 and counts["queue_depth"] == 0:
             break
         gevent.sleep(0.5)

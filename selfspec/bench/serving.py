@@ -146,9 +146,9 @@ def _on_a_server(model: str, speed: str, prefix_cache_mb: int, work):
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
         _one(client, model, "Say hi.", 8)  # warm-up (kernels, caches)
-        before = _server_counters(port)
+        before = server_counters(f"http://127.0.0.1:{port}")
         result = work(client)
-        return result, before, _server_counters(port)
+        return result, before, server_counters(f"http://127.0.0.1:{port}")
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -219,9 +219,9 @@ def bench_serving(
     }
 
 
-def _server_counters(port: int) -> dict[str, float]:
+def server_counters(url: str) -> dict[str, float]:
     """The server's counters so far, read from /metrics (names without the selfspec_ prefix)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
         text = reply.read().decode()
     rows = [line.split() for line in text.splitlines() if line.startswith("selfspec_")]
     return {name.removeprefix("selfspec_"): float(value) for name, value in rows}

@@ -86,10 +86,8 @@ def describe(schema: dict, model_name: str, max_tokens_cap: int | None, keyed: b
                 continue
             if keyed:
                 operation["security"] = [{"key": []}]
-            statuses = dict(ERROR_STATUSES) if "requestBody" in operation else {401: ""}
-            if not keyed:
-                statuses.pop(401)
-            for status in statuses:
+            statuses = list(ERROR_STATUSES) if "requestBody" in operation else [401]
+            for status in statuses if keyed else [s for s in statuses if s != 401]:
                 why = ERROR_STATUSES[status]
                 content = {
                     "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
@@ -147,6 +145,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     n: Whole = Field(1, ge=1, le=1)
 
+    def token_limits(self) -> dict[str, int]:
+        """The token limits the request names, by field."""
+        raise NotImplementedError
+
+    def token_limit(self) -> int | None:
+        """The limit that applies: a chat's max_completion_tokens over its max_tokens."""
+        limits = self.token_limits()
+        return limits.get("max_completion_tokens", limits.get("max_tokens"))
+
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
@@ -155,13 +162,6 @@ class _Sampling(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(json_schema_extra=ONE_ITEM_OR_MORE)
     max_completion_tokens: Whole | None = Field(None, json_schema_extra=AT_LEAST_ONE)
-
-    def token_limit(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
 
     def token_limits(self) -> dict[str, int]:
         limits = {
@@ -173,9 +173,6 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] = Field(json_schema_extra=ONE_PROMPT)
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
 
     def token_limits(self) -> dict[str, int]:
         return {} if self.max_tokens is None else {"max_tokens": self.max_tokens}
