@@ -418,3 +418,46 @@ def test_a_method_whose_library_crashes_is_reported_not_run(monkeypatch):
         bench.run.resolve_methods(
             ["llama_cpp"], plan=None, draft=None, model_name=name, explicit=True
         )
+
+
+def test_llama_server_methods_need_a_built_server(tmp_path, monkeypatch):
+    """Without a llama-server build, a bench asked for llama.cpp's speculation says in one line
+    how to build it; without --methods it never runs them (one server each, opt-in)."""
+    from selfspec.errors import SelfSpecError
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("SELFSPEC_LLAMA_SERVER", raising=False)
+    missing = "cannot run llama_server_ngram_mod: llama-server is not built: run `python -m"
+    with pytest.raises(SelfSpecError, match=missing):
+        bench.run.resolve_methods(
+            ["llama_server_ngram_mod"], plan=None, draft=None, model_name="smollm2-135m",
+            explicit=True,
+        )  # fmt: skip
+    assert not any(m.startswith("llama_server") for m in bench.methods.ALL_METHODS)
+
+
+@pytest.mark.skipif(
+    bench.llama_server.find_binary() is None,
+    reason="llama-server is not built (python -m selfspec.bench.llama_server --build)",
+)
+def test_llama_server_methods_generate_for_real(smollm2):
+    """llama.cpp's server, started for real on the model's .gguf: plain and ngram-mod speculation
+    each generate the asked number of tokens, the speculation's equality with llama.cpp's plain
+    decoding is reported, and the servers are gone afterwards."""
+    prompts = load_prompts("spec-bench:coding,summarization", limit=1)
+    methods = ["autoregressive", "llama_server", "llama_server_ngram_mod"]
+    result = bench.run_bench(
+        smollm2, prompts, methods, max_new_tokens=TOKENS, baseline=False, progress=False
+    )
+    for name in methods[1:]:
+        m = result["methods"][name]
+        assert m["new_tokens"] > 0 and m["decode_tokens_per_second"] > 0
+        assert m["peak_rss_mb"] > 50  # the server's own memory, not this process's
+    same = result["methods"]["llama_server_ngram_mod"]["identical_to_llama_server"]
+    assert isinstance(same, bool)
+    assert "Identical to llama.cpp's own plain decoding" in bench.format_markdown(result)
+    import psutil
+
+    children = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert "llama-server" not in children

@@ -3,10 +3,15 @@ phase, verify passes by rows, and what a precision mode's differences are called
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
 from selfspec import bench
+
+SAVED_Q8_BENCH = (
+    Path(__file__).resolve().parent.parent / "results/qwen2.5-coder-1.5b/gguf-q8/bench/bench.json"
+)
 
 
 def test_decoding_phase_summary_from_known_runs():
@@ -84,17 +89,7 @@ def test_verify_passes_by_rows_from_known_runs():
 def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
     """In gguf-q8 (8-bit activations) selfspec's methods may differ from the float32 baseline: the
     report says why instead of flagging an error; in a float32 mode the same result is flagged."""
-    from pathlib import Path
-
-    saved = (
-        Path(__file__).resolve().parent.parent
-        / "results"
-        / "qwen2.5-coder-1.5b"
-        / "gguf-q8"
-        / "bench"
-        / "bench.json"
-    )
-    result = json.loads(saved.read_text())
+    result = json.loads(SAVED_Q8_BENCH.read_text())
     assert result["config"]["speed_mode"] == "gguf-q8"
     assert result["methods"]["autoregressive"]["identical_to_baseline"] is False
     md = bench.format_markdown(result)
@@ -109,3 +104,34 @@ def test_report_tells_a_precision_modes_expected_differences_from_real_errors():
     result["config"]["speed_mode"] = "gguf"
     md = bench.format_markdown(result)
     assert "**NO**" in md and "**autoregressive differs from hf_generate" in md
+
+
+def test_llama_cpp_speculation_is_checked_against_its_own_plain_decoding():
+    """llama.cpp's speculation types are compared with llama_server (its plain decoding), not
+    with hf_generate (other numerics), and a type that changes a token is named in the report."""
+    from selfspec.bench.summary import summarize
+    from selfspec.prompts import Prompt
+
+    prompts = [Prompt("a", "x", "."), Prompt("b", "x", ".")]
+    tokens = {"llama_server": [[1, 2, 3], [4, 5]], "good": [[1, 2, 3], [4, 5]]}
+    tokens["bad"] = [[1, 2, 3], [4, 6]]  # differs on the second prompt
+
+    def runs(name):
+        return [[bench.MethodRun(t, 1.0, first_token_seconds=0.1)] for t in tokens[name]]
+
+    registry = {
+        "llama_server": bench.Method("llama_server", None, checks_identity=False),
+        "good": bench.Method("good", None, checks_identity=False, same_as="llama_server"),
+        "bad": bench.Method("bad", None, checks_identity=False, same_as="llama_server"),
+    }
+    all_runs = {name: runs(name) for name in registry}
+    result = summarize(prompts, [[0]] * 2, list(all_runs), registry, all_runs, {})
+    methods = result["methods"]
+    assert methods["good"]["identical_to_llama_server"] is True
+    assert methods["bad"]["identical_to_llama_server"] is False
+    assert "identical_to_llama_server" not in methods["llama_server"]
+    assert all(m["identical_to_baseline"] == "n/a" for m in methods.values())
+    saved = json.loads(SAVED_Q8_BENCH.read_text())  # a real result's machine and config
+    saved["config"]["categories"] = ["x"]
+    text = bench.format_markdown({**saved, **result})
+    assert "good yes" in text and "bad **no**" in text

@@ -254,3 +254,19 @@ def test_head_products_in_8_bits_stay_close_to_float32():
     for product, weight, bias in zip(products, heads.weights, heads.biases):
         exact = torch.nn.functional.linear(x, weight, bias)
         assert torch.allclose(product(x).float(), exact, atol=0.05 * float(exact.abs().max()))
+
+
+@pytest.mark.slow  # two short trainings
+def test_a_budget_ends_the_answers_early_and_a_rerun_resumes_them(smollm2, tmp_path):
+    from selfspec.training.heads import Budget
+
+    out, work = tmp_path / "heads.safetensors", tmp_path / "work"
+    heads = train_heads(smollm2, out, work, questions=64, max_new=48, epochs=2, budget=Budget(0.3))
+    first = json.loads((work / "answers.json").read_text())
+    assert 2 <= len(first["answers"]) < len(first["prompts"])  # stopped short, saved so far
+    assert heads.info["answers"] >= 2
+    again = train_heads(smollm2, out, work, questions=64, max_new=48, epochs=1, budget=Budget(0.6))
+    second = json.loads((work / "answers.json").read_text())
+    assert second["answers"][: len(first["answers"])] == first["answers"]  # resumed, not redone
+    assert len(second["answers"]) > len(first["answers"])
+    assert again.info["answers"] > heads.info["answers"]

@@ -7,7 +7,7 @@ import json
 import sys
 
 import selfspec.bench
-from selfspec.bench.methods import ALL_METHODS, METHODS
+from selfspec.bench.methods import METHODS
 from selfspec.bench.report import format_markdown, write_outputs
 from selfspec.bench.run import run_bench
 from selfspec.cliargs import (
@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all that can run)",
+        help=f"comma-separated subset of {','.join(METHODS)} (default: all that can run, "
+        "llama.cpp's server (llama_server*) only when named)",
     )
     parser.add_argument(
         "--repeats",
@@ -82,9 +83,7 @@ def _methods(text: str | None) -> list[str] | None:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SelfSpecError(
-            f"unknown method(s) {', '.join(unknown)}. Known: {', '.join(ALL_METHODS)}."
-        )
+        raise SelfSpecError(f"unknown method(s) {', '.join(unknown)}. Known: {', '.join(METHODS)}.")
     return methods
 
 

@@ -4,7 +4,8 @@ selfspec's own (autoregressive, self_speculative, ngram, recycled, heads, layer_
 run through the
 Engine; transformers' (hf_generate, hf_assisted, prompt_lookup) on the model exactly as
 transformers builds it; llama_cpp (plain decoding of the same .gguf) through llama-cpp-python
-when it is installed.
+when it is installed; llama_server* (llama.cpp's server, plain and per speculation type) when it is
+built (`llama_server.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from selfspec.bench import llama_server
 
 if TYPE_CHECKING:
     from selfspec.drafters import Drafter
@@ -80,6 +83,11 @@ class Method:
     checks_identity: bool = True  # False: other weights/numerics (llama_cpp), reported as "n/a"
     setup: Callable[[BenchContext], None] | None = None
     transformers: bool = False  # runs transformers' generate: needs the unmodified model
+    teardown: Callable[[BenchContext], None] | None = None  # after the last run (stop a server)
+    # The peak RSS to report when the method runs outside this process (a server's)
+    peak_rss_mb: Callable[[BenchContext], float | None] | None = None
+    # The plain decoding whose tokens this method must give (llama.cpp's speculation: its own)
+    same_as: str | None = None
 
 
 class _FirstTokenClock:
@@ -303,6 +311,49 @@ def child_failure(argv: list[str], timeout: float = 300.0) -> str | None:
     return lines[-1] if lines else f"it exited with status {proc.returncode}"
 
 
+def _gguf_paths(model_name: str, draft_name: str | None) -> tuple[Path | None, Path | None]:
+    """The target's and the draft's bundled .gguf files (None where there is none)."""
+    return gguf_path_for(model_name), gguf_path_for(draft_name) if draft_name else None
+
+
+def llama_server_unavailable(name: str, model_name: str, draft_name: str | None) -> str | None:
+    spec = llama_server.SPEC_TYPES[name]
+    return llama_server.unavailable(spec, *_gguf_paths(model_name, draft_name))
+
+
+def _llama_server_method(name: str) -> Method:
+    spec = llama_server.SPEC_TYPES[name]
+
+    def setup(ctx: BenchContext) -> None:
+        model, draft = _gguf_paths(ctx.engine.loaded.name, ctx.state.get("draft_name"))
+        threads = ctx.threads or 1
+        window = ctx.state.get("llama_ctx", 4096)
+        command = llama_server.server_command(spec, model, draft, threads, window)
+        ctx.state[name] = llama_server.start(command, name)
+
+    def run(ctx: BenchContext, prompt_ids: list[int]) -> MethodRun:
+        server = ctx.state[name]
+        tokens, seconds, first = llama_server.generate(
+            server, prompt_ids, ctx.max_new_tokens, ctx.eos_ids
+        )
+        return MethodRun(tokens, seconds, first_token_seconds=first)
+
+    def teardown(ctx: BenchContext) -> None:
+        if name in ctx.state:
+            llama_server.stop(ctx.state.pop(name))
+
+    return Method(
+        name,
+        run,
+        needs="llama_server",
+        checks_identity=False,
+        setup=setup,
+        teardown=teardown,
+        peak_rss_mb=lambda ctx: llama_server.peak_rss_mb(ctx.state[name]),
+        same_as=None if name == llama_server.PLAIN else llama_server.PLAIN,
+    )
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in [
@@ -319,6 +370,8 @@ METHODS: dict[str, Method] = {
         Method(
             "llama_cpp", _run_llama_cpp, needs="gguf", checks_identity=False, setup=_setup_llama_cpp
         ),
+        *[_llama_server_method(name) for name in llama_server.SPEC_TYPES],
     ]
 }
-ALL_METHODS = tuple(METHODS)
+# A bench without --methods runs these: llama.cpp's server only when asked for (one server each).
+ALL_METHODS = tuple(m for m in METHODS if m not in llama_server.SPEC_TYPES)

@@ -205,6 +205,18 @@ def _identity_notes(result: dict) -> list[str]:
             + ", ".join(f"{n} {'yes' if ok else '**no**'}" for n, ok in same_mode.items())
             + ".",
         ]
+    llama_same = {
+        n: r["identical_to_llama_server"]
+        for n, r in result["methods"].items()
+        if "identical_to_llama_server" in r
+    }
+    if llama_same:
+        lines += [
+            "",
+            "Identical to llama.cpp's own plain decoding (llama_server) on every prompt: "
+            + ", ".join(f"{n} {'yes' if ok else '**no**'}" for n, ok in llama_same.items())
+            + ".",
+        ]
     return lines
 
 

@@ -24,6 +24,7 @@ from selfspec.bench.methods import (
     MethodRun,
     llama_cpp_available,
     llama_cpp_failure,
+    llama_server_unavailable,
 )
 from selfspec.bench.summary import summarize
 from selfspec.errors import SelfSpecError
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from selfspec.runtime.sampling import Sampling
 
 PHASES = ("target", "draft", "gguf")
+PHASE_OF = {"plan": "target", "llama_server": "gguf"}  # needs without a phase of their own
 
 
 class _QuietTransformers:
@@ -78,6 +80,8 @@ def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
         )
     if method.needs == "draft" and draft is None:
         return f"no draft model: {model_name} has no default draft model; pass --draft-model"
+    if method.needs == "llama_server":
+        return llama_server_unavailable(method.name, model_name, draft)
     if method.needs == "gguf":
         if not llama_cpp_available():
             return "llama-cpp-python is not installed (pip install 'selfspec[llama-cpp]')"
@@ -275,7 +279,7 @@ def _phases(setup: _Setup) -> dict[str, list[str]]:
     phases: dict[str, list[str]] = {phase: [] for phase in PHASES}
     for name in sorted(setup.chosen, key=lambda m: setup.registry[m].transformers):
         needs = setup.registry[name].needs
-        phases["target" if needs == "plan" else needs].append(name)
+        phases[PHASE_OF.get(needs, needs)].append(name)
     return phases
 
 
@@ -294,7 +298,7 @@ def _warm_up(ctx: BenchContext, setup: _Setup, bar) -> dict[str, float]:
                 if method.setup:
                     method.setup(ctx)
                 method.run(ctx, setup.encoded[0])
-            peak_rss[name] = rss.peak_mb
+            peak_rss[name] = method.peak_rss_mb(ctx) if method.peak_rss_mb else rss.peak_mb
             bar.update(1)
     return peak_rss
 
@@ -324,6 +328,9 @@ def _measure(
             return _warm_up(ctx, setup, bar), _timed_runs(ctx, setup, bar)
     finally:
         bar.close()
+        for name in setup.chosen:
+            if setup.registry[name].teardown:
+                setup.registry[name].teardown(ctx)
 
 
 def _sampling_config(ctx: BenchContext) -> dict | None:
@@ -428,6 +435,7 @@ def run_bench(
     if sampled:
         ctx.sampling, ctx.seed = sampling, seed
     ctx.state["llama_ctx"] = max(len(ids) for ids in setup.encoded) + max_new_tokens + 16
+    ctx.state["draft_name"] = draft_name
     peak_rss, runs = _measure(ctx, setup, progress)
     result = summarize(
         prompts, setup.encoded, chosen, registry, runs, peak_rss, check_identity=not sampled

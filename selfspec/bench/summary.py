@@ -57,9 +57,10 @@ def _entry(
         "identical_to_baseline": identical,
         "stats": reps[0].stats,
     }
-    if reps[0].stats is not None and plain is not None:
-        # selfspec's own plain decoding in the same speed mode: speculation must not change a token
-        entry["identical_to_autoregressive"] = all(r.token_ids == plain for r in reps)
+    if plain is not None and (method.same_as or reps[0].stats is not None):
+        # its own plain decoding (selfspec's in the same speed mode, or llama.cpp's for llama.cpp's
+        # speculation): speculation must not change a token
+        entry[f"identical_to_{plain_reference(method)}"] = all(r.token_ids == plain for r in reps)
     return entry
 
 
@@ -79,6 +80,14 @@ def _prompt_row(
             shown["first_difference"] = first_difference(tokens[name], base)
         row["methods"][name] = shown
     return row
+
+
+SAME_AS_PREFIX = "identical_to_"  # and a method's plain decoding (never the baseline)
+
+
+def plain_reference(method: Method) -> str:
+    """The plain decoding a method's tokens are checked against in the same numerics."""
+    return method.same_as or "autoregressive"
 
 
 def _median_ratio(
@@ -179,8 +188,11 @@ def _summary(
     }
     out.update(_drafting([e["stats"] for e in entries if e["stats"] is not None]))
     out.update(_verify_passes(table, name, indices))
-    if all("identical_to_autoregressive" in e for e in entries):
-        out["identical_to_autoregressive"] = all(e["identical_to_autoregressive"] for e in entries)
+    for key in {
+        k for k in entries[0] if k.startswith(SAME_AS_PREFIX) and k != "identical_to_baseline"
+    }:
+        if all(key in e for e in entries):
+            out[key] = all(e[key] for e in entries)
     identities = [e["identical_to_baseline"] for e in entries]
     if "n/a" in identities:
         out["identical_to_baseline"] = "n/a"
@@ -209,11 +221,13 @@ def summarize(
     table: dict[str, list[dict]] = {name: [] for name in chosen}
     per_prompt = []
     for i, prompt in enumerate(prompts):
-        base = runs[BASELINE][i][0].token_ids if BASELINE in runs else None
-        plain = runs["autoregressive"][i][0].token_ids if "autoregressive" in runs else None
-        if not check_identity:
-            base = plain = None
-        entries = {name: _entry(registry[name], runs[name][i], base, plain) for name in chosen}
+        base = runs[BASELINE][i][0].token_ids if BASELINE in runs and check_identity else None
+        entries = {}
+        for name in chosen:
+            reference = plain_reference(registry[name])
+            compared = reference in runs and check_identity
+            plain = runs[reference][i][0].token_ids if compared else None
+            entries[name] = _entry(registry[name], runs[name][i], base, plain)
         for name, entry in entries.items():
             table[name].append(entry)
         tokens = {name: runs[name][i][0].token_ids for name in chosen}

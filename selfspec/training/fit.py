@@ -10,6 +10,8 @@ CPU recipe behind ``selfspec train-heads``) and ``selfspec.training.gpu`` (on a 
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,7 @@ def fit_rows(
     layers=2,
     soft=0.5,
     owner=None,
+    deadline=None,
 ):
     """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
     [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
@@ -41,14 +44,15 @@ def fit_rows(
     token over ``out``'s ids (its logits from the row that produced it: row i + 1 + j for head j,
     a row of the same answer by ``owner`` [n]; also where the token itself is past ``out``). The
     held-out rows give ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all
-    guess right."""
+    guess right. No batch begins past ``deadline`` (a ``time.monotonic()`` value), but the first.
+    """
     count, device = len(tokens) - 1, out.device
     if soft > 0 and owner is None:
         raise ValueError("a soft loss needs owner: the answer each row belongs to")
     owner = None if owner is None else owner.to(device)
     heads = initial_heads(init, count, hidden.shape[1], device, layers)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
-    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner)
+    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline)
     heads = heads.detached()
     top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
     heads.info = {
@@ -63,8 +67,11 @@ def fit_rows(
     return heads
 
 
-def _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner) -> None:
-    """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place."""
+def _train(
+    heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline=None
+) -> None:
+    """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place, until
+    ``deadline``."""
     params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
     for t in params:
         t.requires_grad_()
@@ -76,6 +83,9 @@ def _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, own
     for _ in range(epochs):
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
+            if deadline is not None and bar.n and time.monotonic() >= deadline:
+                bar.close()
+                return
             i = order[first : first + batch]
             chain = _chain(hidden[i], tokens[:, i], links, out, embed)
             losses = []

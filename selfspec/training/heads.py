@@ -5,9 +5,12 @@ topics, answers them (greedy, in its speed mode), and the chain of heads learns,
 hidden state at one answer token and the tokens after it, the answer tokens 2, 3, ... places later.
 Spec-Bench's prompts are never used, so bench measures the heads on text they have not seen.
 
-    data  = answers_for(engine, work, questions, max_new)   # saved atomically: a rerun resumes
+    data  = answers_for(engine, work, questions, max_new, budget)  # saved as it goes: resumable
     rows  = features(engine, data["prompts"], data["answers"], heads)
     heads = fit(engine, rows, heads, epochs)   # held-out answers: heads.info["heldout_top1"]
+    heads_pay(engine, heads, heldout_prompts)  # self-speculation with and without them, timed
+
+With ``--budget MINUTES`` every stage gets a deadline within it (answers end at about 45% of it).
 
 The training arithmetic itself is ``selfspec.training.fit``'s, which the GPU script shares.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,17 +72,59 @@ TASKS = (
 LANGUAGES = ("French", "German", "Spanish", "Chinese", "Japanese", "Russian", "Italian", "Korean")
 
 
-def generate_greedy(engine: Engine, prompts: list[list[int]], max_new: int, desc: str):
-    """Greedy answers, ``BATCH`` prompts per pass where the runner batches, else one by one."""
+class Budget:
+    """The minutes a run may take (``None``: no limit); each stage gets a deadline within it."""
+
+    def __init__(self, minutes: float | None):
+        self.end = None if minutes is None else time.monotonic() + minutes * 60
+
+    def until(self, share: float) -> float | None:
+        """A stage's deadline: ``share`` of the time left from now."""
+        return None if self.end is None else time.monotonic() + share * self.left()
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else max(0.0, self.end - time.monotonic())
+
+    def show(self, bar) -> None:
+        if self.end is not None:
+            minutes, seconds = divmod(int(self.left()), 60)
+            bar.set_postfix_str(f"budget left {minutes}:{seconds:02d}", refresh=False)
+
+
+def past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def generate_greedy(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_new: int,
+    desc: str,
+    done: list[list[int]] | None = None,
+    save: Callable[[list[list[int]]], None] | None = None,
+    deadline: float | None = None,
+    budget: Budget | None = None,
+):
+    """Greedy answers, ``BATCH`` prompts per pass where the runner batches, else one by one,
+    after the ``done`` ones (an earlier run's): each group's are handed to ``save``; none begins
+    past ``deadline`` once there are two, so there may be fewer answers than prompts."""
     runner, eos = engine.runner, set(engine.eos_ids())
-    answers: list[list[int]] = []
+    answers: list[list[int]] = list(done or [])
+    size = BATCH if runner.can_batch else 1
     bar = progress_bar(len(prompts), desc, unit="answer")
-    for first in range(0, len(prompts), BATCH if runner.can_batch else 1):
-        group = prompts[first : first + (BATCH if runner.can_batch else 1)]
+    bar.update(len(answers))
+    for first in range(len(answers), len(prompts), size):
+        if past(deadline) and len(answers) >= 2:  # two: one to train on, one held out
+            break
+        group = prompts[first : first + size]
         if runner.can_batch:
             answers += _answer_group(engine, group, max_new, eos)
         else:
             answers.append(engine.generate(group[0], None, max_new_tokens=max_new).token_ids)
+        if save:
+            save(answers)
+        if budget:
+            budget.show(bar)
         bar.update(len(group))
     bar.close()
     return answers
@@ -141,25 +187,41 @@ def add_questions(questions: list[str], text: str) -> None:
             questions.append(line)
 
 
-def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dict:
+def answers_for(
+    engine: Engine, work: Path, questions: int, max_new: int, budget: Budget | None = None
+) -> dict:
     """The questions and the model's answers, then tasks over a quarter of those answers and the
-    model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them."""
+    model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them. Saved
+    after every group of answers; with a ``budget``, answers stop at 45% of it and tasks at 60%,
+    so that the hidden states and the fit get the rest."""
+    budget = budget or Budget(None)
     path = work / "answers.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    if data.get("max_new") != max_new or len(data.get("answers", ())) < questions:
+    if (
+        data.get("max_new") != max_new
+        or data.get("asked_for", len(data.get("answers", ()))) < questions
+    ):
         per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
         asked = write_questions(engine, per_topic, TOPICS[: -(-questions // per_topic) + 4])
         random.Random(0).shuffle(asked)
         asked = asked[:questions]
         prompts = [engine.encode(q, chat=True) for q in asked]
-        data = {
-            "questions": asked,
-            "prompts": prompts,
-            "answers": generate_greedy(engine, prompts, max_new, "answers"),
-            "max_new": max_new,
-        }
+        data = {"questions": asked, "prompts": prompts, "answers": [], "max_new": max_new}
+        data["asked_for"] = questions
         atomic_write_text(path, json.dumps(data))
-    if "task_answers" not in data:
+
+    def saver(key: str) -> Callable[[list[list[int]]], None]:
+        def save(answers: list[list[int]]) -> None:
+            data[key] = answers
+            atomic_write_text(path, json.dumps(data))
+
+        return save
+
+    data["answers"] = generate_greedy(
+        engine, data["prompts"], max_new, "answers", data.get("answers"), saver("answers"),
+        budget.until(0.45), budget,
+    )  # fmt: skip
+    if "task_prompts" not in data or len(data["task_prompts"]) < len(data["answers"]) // 4:
         texts = task_texts(
             data["questions"],
             data["answers"],
@@ -168,20 +230,32 @@ def answers_for(engine: Engine, work: Path, questions: int, max_new: int) -> dic
             count=max(1, len(data["answers"]) // 4),
             min_tokens=32,
         )
-        tasks = [engine.encode(text, chat=True) for text in texts]
-        data["task_prompts"] = tasks
-        data["task_answers"] = generate_greedy(engine, tasks, max_new, "tasks")
-        atomic_write_text(path, json.dumps(data))
+        data["task_prompts"] = [engine.encode(text, chat=True) for text in texts]
+        # a task list grown from more answers keeps its first tasks: same seed, same order
+        data["task_answers"] = data.get("task_answers", [])[: len(data["task_prompts"])]
+    data["task_answers"] = generate_greedy(
+        engine, data["task_prompts"], max_new, "tasks", data.get("task_answers"),
+        saver("task_answers"), budget.until(0.27), budget,
+    )  # fmt: skip
     return data
 
 
 @torch.inference_mode()
-def features(engine: Engine, prompts: list[list[int]], answers: list[list[int]], heads: int):
-    """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``."""
+def features(
+    engine: Engine,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    heads: int,
+    deadline: float | None = None,
+):
+    """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``
+    (none begun past ``deadline``)."""
     runner = engine.runner
     out = []
     bar = progress_bar(len(prompts), "hidden states", unit="answer")
     for prompt, answer in zip(prompts, answers):
+        if past(deadline) and len(out) >= 2:
+            break
         ids = prompt + answer
         runner.reset(len(ids) + 1)
         _, hidden = runner.forward(
@@ -237,10 +311,12 @@ def fit(
     seed: int = 0,
     layers: int = 2,
     soft: float = 0.5,
+    deadline: float | None = None,
 ) -> DraftHeads:
     """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over the first
     ``vocab_prefix`` ids, ``soft`` of it against the model's own distribution; guesses past them
-    are left out) on all but the last ``heldout`` share of answers, measured on those."""
+    are left out) on all but the last ``heldout`` share of answers, measured on those; no batch
+    begins past ``deadline``."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
@@ -262,6 +338,7 @@ def fit(
         layers=layers,
         soft=soft,
         owner=owner,
+        deadline=deadline,
     )
     trained.info.update(
         model=engine.loaded.name,
@@ -282,17 +359,61 @@ def train_heads(
     epochs: int = 3,
     layers: int = 2,
     soft: float = 0.5,
+    budget: Budget | None = None,
+    measure: bool = False,
 ) -> DraftHeads:
+    """Answers (resumed from ``work``), their hidden states, the fit, saved to ``out``; within
+    ``budget`` when given. ``measure``: time them on held-out prompts on this machine first
+    (``heads_pay``; in ``info["decode_speedup"]``)."""
     started = time.time()
-    data = answers_for(engine, work, questions, max_new)
-    prompts = data["prompts"] + data["task_prompts"]
+    budget = budget or Budget(None)
+    data = answers_for(engine, work, questions, max_new, budget)
+    answered = len(data["answers"]), len(data["task_answers"])  # fewer than asked past a budget
+    prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
     pairs = list(zip(prompts, data["answers"] + data["task_answers"]))
     random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
-    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads)
-    trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft)
+    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads, budget.until(0.25))
+    fit_until = budget.until(0.85)
+    trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until)
     trained.info["seconds"] = round(time.time() - started)
+    if measure:
+        heldout = [p for p, _ in pairs[max(1, int(len(rows) * 0.9)) : len(rows)]][:4]
+        trained.info["decode_speedup"] = heads_pay(engine, trained, heldout)
     trained.save(out)
     return trained
+
+
+def decode_rate(engine: Engine, prompt: list[int], drafter, max_new: int) -> float:
+    """Tokens per second after the first (the decoding phase) of one greedy generation."""
+    stats = engine.generate(prompt, drafter, max_new_tokens=max_new).stats
+    decoding = stats.seconds - stats.prefill_seconds
+    return (stats.new_tokens - 1) / decoding if decoding > 0 else 0.0
+
+
+def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_new: int = 96):
+    """Whether the heads pay on this machine: self-speculation's decoding speed with and without
+    them over plain decoding's, medians over held-out ``prompts`` (each method once per prompt,
+    in turn, after a warm-up)."""
+    import statistics
+
+    drafters = {
+        "plain": lambda: None,
+        "without": lambda: engine.self_drafter(heads=False),
+        "with": lambda: engine.self_drafter(heads=heads),
+    }
+    for make in drafters.values():
+        decode_rate(engine, prompts[0], make(), 16)
+    rates: dict[str, list[float]] = {name: [] for name in drafters}
+    bar = progress_bar(len(prompts), "timing the heads", unit="prompt")
+    for prompt in prompts:
+        for name, make in drafters.items():
+            rates[name].append(decode_rate(engine, prompt, make(), max_new))
+        bar.update()
+    bar.close()
+    return {
+        name: round(statistics.median(r / p for r, p in zip(rates[name], rates["plain"])), 3)
+        for name in ("without", "with")
+    }
 
 
 # -- `selfspec train-heads` -----------------------------------------------------------------------
@@ -317,6 +438,19 @@ def add_arguments(parser) -> None:
         "against the token itself (0.5)",
     )
     parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="stop gathering answers and training in time to end within MINUTES; a rerun with "
+        "the same --out resumes from the answers gathered (default: no limit)",
+    )
+    parser.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip timing the heads on held-out prompts at the end (about a minute)",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="heads file to write (default: the user's heads for the model, which "
@@ -335,26 +469,28 @@ def run(args) -> int:
         ("--epochs", args.epochs),
     ):
         check_at_least(flag, value, 1)
+    if args.budget is not None and not args.budget > 0:
+        raise SelfSpecError(f"--budget must be a positive number of minutes, not {args.budget}")
     if not 0 <= args.soft <= 1:
         raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
     engine = load_engine(args)
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
     work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
     heads = train_heads(
-        engine,
-        out,
-        work,
-        args.questions,
-        args.max_new_tokens,
-        args.heads,
-        args.epochs,
-        args.layers,
-        args.soft,
-    )
+        engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
+        args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
+    )  # fmt: skip
     info = heads.info
     print(
         f"wrote {out}: {len(heads)} head(s) trained on {info['rows']} answer tokens of "
         f"{info['answers']} answers in {info['seconds']} s; held-out first guesses right: "
         + ", ".join(f"{t:.1%}" for t in info["heldout_top1_by_head"])
     )
+    speedup = info.get("decode_speedup")
+    if speedup:
+        pays = "they pay here" if speedup["with"] > speedup["without"] else "they do not pay here"
+        print(
+            f"on held-out prompts, self-speculation decoded at {speedup['with']:.2f}x plain "
+            f"decoding with them and {speedup['without']:.2f}x without: {pays}"
+        )
     return 0
