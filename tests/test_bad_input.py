@@ -162,6 +162,12 @@ CLI_ROWS = [
         "--soft must be between 0 and 1",
     ),
     (
+        "train-heads budget not positive",
+        ["train-heads", *M, "--budget", "0"],
+        None,
+        "--budget must be a positive number of minutes",
+    ),
+    (
         "missing heads file",
         lambda t: ["generate", "hi", *M, "--heads", str(t / "absent.safetensors")],
         None,

@@ -439,7 +439,7 @@ def test_llama_server_methods_need_a_built_server(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(
     bench.llama_server.find_binary() is None,
-    reason="llama-server is not built (python -m selfspec.bench.llama_server --build)",
+    reason="llama-server is not built (python -m selfspec.bench.build_llama_server)",
 )
 def test_llama_server_methods_generate_for_real(smollm2):
     """llama.cpp's server, started for real on the model's .gguf: plain and ngram-mod speculation

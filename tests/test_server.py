@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,57 +13,16 @@ import urllib.error
 import urllib.request
 
 import pytest
+from live_server import ENV, MODEL, call, openai_client, read_metrics, serving
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m"
 QUEUE = 2
 BATCH = 2
-ENV = dict(os.environ, SELFSPEC_NO_PROGRESS="1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from serving(tmp_path_factory, "--queue-size", str(QUEUE), "--max-batch", str(BATCH))
-
-
-def serving(tmp_path_factory, *options: str, env: dict = ENV, port: int | None = None):
-    """A fixture's body: `selfspec serve --model MODEL *options` on ``port`` (a free loopback
-    port), until its /health answers; yields {"base", "process", "log"} and kills it
-    afterwards."""
-    port = port or _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [sys.executable, "-m", "selfspec.cli", "serve", "--model", MODEL]
-    command += ["--port", str(port), *options]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
-                if json.load(reply)["status"] == "ok":
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("the server did not come up")
-    yield {"base": base, "process": process, "log": log}
-    if process.poll() is None:
-        process.kill()
-
-
-def _client(server, api_key: str = "unused"):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server["base"] + "/v1", api_key=api_key, max_retries=0, timeout=300)
 
 
 def _generate(*args: str) -> str:
@@ -81,29 +38,6 @@ def _post(server, path: str, body) -> tuple[int, dict]:
     return call(
         server, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode()
     )
-
-
-def call(server, method: str, path: str, body: bytes | None = None, key: str | None = None):
-    """(status, JSON reply) of one plain HTTP request, with ``key`` as its bearer token."""
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(server["base"] + path, body, headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return reply.status, json.load(reply)
-    except urllib.error.HTTPError as err:
-        return err.code, json.load(err)
-
-
-def _metrics(server) -> dict:
-    with urllib.request.urlopen(server["base"] + "/metrics", timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return {
-        line.split()[0].removeprefix("selfspec_"): float(line.split()[1])
-        for line in lines
-        if line and not line.startswith("#")
-    }
 
 
 def _chat(client, prompt: str, tokens: int, stream: bool = False, **extra):
@@ -126,7 +60,7 @@ def test_greedy_chat_is_what_generate_prints(server):
     before 32 tokens depends on the machine: on an AVX2-only EPYC it ended after 25.)"""
     prompt = "Write a haiku about the sea."
     expected = json.loads(_generate("--chat", prompt, "--max-new-tokens", "32", "--json"))
-    client = _client(server)
+    client = openai_client(server)
     reply = _chat(client, prompt, 32)
     assert reply.choices[0].message.content == expected["text"]
     length = expected["stop_reason"] == "max_new_tokens"
@@ -140,7 +74,7 @@ def test_greedy_chat_is_what_generate_prints(server):
 
 def test_text_completion_and_usage(server):
     expected = _generate("def fibonacci(n):", "--max-new-tokens", "24")
-    reply = _client(server).completions.create(
+    reply = openai_client(server).completions.create(
         model=MODEL, prompt="def fibonacci(n):", max_tokens=24, temperature=0
     )
     assert reply.choices[0].text == expected
@@ -160,7 +94,7 @@ def test_a_later_turn_reads_only_what_the_prefix_cache_lacks(server):
     prefill of the whole conversation gives."""
     from selfspec.engine import Engine
 
-    client = _client(server)
+    client = openai_client(server)
     messages = [{"role": "user", "content": "Name a prime number."}]
     first = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=16
@@ -169,13 +103,13 @@ def test_a_later_turn_reads_only_what_the_prefix_cache_lacks(server):
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And another one?"},
     ]
-    before = _metrics(server)
+    before = read_metrics(server)
     later = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=16
     )
     cached = later.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens < cached < later.usage.prompt_tokens
-    after = _metrics(server)
+    after = read_metrics(server)
     assert after["prompt_tokens_cached_total"] - before["prompt_tokens_cached_total"] == cached
     assert after["prefix_cache_bytes"] > 0 and after["prefix_cache_evictions_total"] == 0
     engine = Engine.load(MODEL)
@@ -187,7 +121,7 @@ def test_each_response_carries_its_own_speculation_statistics(server):
     """usage.selfspec, in whole answers and in a stream's last chunk, through the real client
     (which keeps fields it does not know as extras). (The drafter learns across requests, so the
     same prompt twice need not take the same rounds.)"""
-    client = _client(server)
+    client = openai_client(server)
     prompt = "List the numbers from 1 to 30, one per line."
     reply = _chat(client, prompt, 48)
     _check_speculation(reply.usage)
@@ -215,7 +149,7 @@ def _check_speculation(usage) -> None:
 
 
 def test_stop_strings_end_the_text_before_them(server):
-    client = _client(server)
+    client = openai_client(server)
     whole = _chat(client, "Count from 1 to 20, separated by commas.", 48).choices[0].message
     assert "5" in whole.content
     cut = _chat(client, "Count from 1 to 20, separated by commas.", 48, stop=["5"])
@@ -232,17 +166,17 @@ def test_concurrent_clients_get_their_solo_answers(server):
     third can find two waiting and get 503; it retries, as the error asks.)"""
     from openai import InternalServerError
 
-    client = _client(server)
+    client = openai_client(server)
     prompts = ["Name three colours.", "What is 2 + 2?", "Say hello in French."]
     solo = {p: _chat(client, p, 24).choices[0].message.content for p in prompts}
-    before = _metrics(server)
+    before = read_metrics(server)
     together: dict = {}
 
     def ask(prompt):
         for attempt in range(20):
             try:
                 stream = prompt.startswith("W")
-                together[prompt] = _chat(_client(server), prompt, 24, stream=stream)
+                together[prompt] = _chat(openai_client(server), prompt, 24, stream=stream)
                 return
             except InternalServerError as busy:
                 assert busy.status_code == 503 and attempt < 19, busy
@@ -257,7 +191,7 @@ def test_concurrent_clients_get_their_solo_answers(server):
         p: a if isinstance(a, str) else a.choices[0].message.content for p, a in together.items()
     }
     assert answers == solo
-    spent = {name: value - before[name] for name, value in _metrics(server).items()}
+    spent = {name: value - before[name] for name, value in read_metrics(server).items()}
     assert spent["requests_total"] == len(prompts)
     # --max-batch holds (a pass's rows may be more: drafts, prompt chunks)
     assert spent["batch_requests_total"] <= BATCH * spent["batch_steps_total"]
@@ -336,13 +270,13 @@ def _open_stream(server, tokens: int = 2000):
 
 def _wait_for(server, gauge: str, value: int) -> None:
     deadline = time.monotonic() + 60
-    while _metrics(server)[gauge] < value:
-        assert time.monotonic() < deadline, f"{gauge} never reached {value}: {_metrics(server)}"
+    while read_metrics(server)[gauge] < value:
+        assert time.monotonic() < deadline, f"{gauge} never reached {value}: {read_metrics(server)}"
         time.sleep(0.1)
 
 
 def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
-    before = _metrics(server)
+    before = read_metrics(server)
     streams = [_open_stream(server) for _ in range(BATCH)]
     _wait_for(server, "requests_running", BATCH)  # the batch is full: the next ones wait
     short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -360,7 +294,7 @@ def test_full_queue_is_503_and_a_gone_client_frees_its_slot(server):
     for t in waiting:
         t.join(timeout=60)
         assert not t.is_alive(), "a waiting request never ran after the slots were freed"
-    after = _metrics(server)
+    after = read_metrics(server)
     assert after["requests_cancelled_total"] == before["requests_cancelled_total"] + BATCH
     assert after["requests_rejected_total"] == before["requests_rejected_total"] + 1
     assert after["requests_total"] == before["requests_total"] + QUEUE
@@ -376,7 +310,7 @@ def test_an_answer_stopped_midway_is_kept_for_the_next_turn(server):
     question = "Tell a long story about a lighthouse keeper."
     body = {"model": MODEL, "messages": [{"role": "user", "content": question}]}
     body |= {"max_tokens": 400, "temperature": 0, "stream": True}
-    before = _metrics(server)
+    before = read_metrics(server)
     request = urllib.request.Request(
         server["base"] + "/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -390,14 +324,14 @@ def test_an_answer_stopped_midway_is_kept_for_the_next_turn(server):
             partial += delta.get("content") or ""
     stream.close()
     deadline = time.monotonic() + 60
-    while _metrics(server)["requests_cancelled_total"] == before["requests_cancelled_total"]:
+    while read_metrics(server)["requests_cancelled_total"] == before["requests_cancelled_total"]:
         assert time.monotonic() < deadline, "the server never noticed the client leave"
         time.sleep(0.1)
     messages = body["messages"] + [
         {"role": "assistant", "content": partial},
         {"role": "user", "content": "Go on."},
     ]
-    reply = _client(server).chat.completions.create(
+    reply = openai_client(server).chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=4
     )
     asked = len(Engine.load(MODEL).encode_messages(body["messages"]))

