@@ -62,9 +62,9 @@ def unavailable(spec: str | None, model_path: Path | None, draft_path: Path | No
             f"(about 30 minutes) or set {BINARY_ENV}"
         )
     if model_path is None:
-        return "the model is not a bundled GGUF model"
+        return "the model is neither a bundled model nor a local .gguf file"
     if spec == "draft-simple" and draft_path is None:
-        return "no bundled GGUF draft model: pass --draft-model with a bundled model"
+        return "no GGUF draft model: pass --draft-model with a bundled model or a .gguf file"
     return None
 
 

@@ -221,11 +221,13 @@ def _setup_dual_model(ctx: BenchContext) -> None:
 
 
 def gguf_path_for(model_name: str) -> Path | None:
-    """The bundled model's .gguf, kept in its cache folder (fetched again if it predates that)."""
+    """The model's .gguf: the bundled model's, kept in its cache folder (fetched again if it
+    predates that), or the local file the model was loaded from."""
     from selfspec.loading.sources import KNOWN_MODELS, ensure_bundled, gguf_source
 
     if model_name not in KNOWN_MODELS:
-        return None
+        local = Path(model_name)
+        return local if local.suffix == ".gguf" and local.is_file() else None
     return gguf_source(model_name, ensure_bundled(model_name))
 
 

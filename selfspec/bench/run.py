@@ -22,6 +22,7 @@ from selfspec.bench.methods import (
     BenchContext,
     Method,
     MethodRun,
+    gguf_path_for,
     llama_cpp_available,
     llama_cpp_failure,
     llama_server_unavailable,
@@ -29,7 +30,6 @@ from selfspec.bench.methods import (
 from selfspec.bench.summary import summarize
 from selfspec.errors import SelfSpecError
 from selfspec.loading.models import LoadedModel
-from selfspec.loading.sources import KNOWN_MODELS
 from selfspec.prompts import Prompt
 
 if TYPE_CHECKING:
@@ -85,8 +85,8 @@ def _unavailable(method: Method, plan, draft, model_name: str) -> str | None:
     if method.needs == "gguf":
         if not llama_cpp_available():
             return "llama-cpp-python is not installed (pip install 'selfspec[llama-cpp]')"
-        if model_name not in KNOWN_MODELS:
-            return f"{model_name} is not a bundled GGUF model"
+        if gguf_path_for(model_name) is None:
+            return f"{model_name} is neither a bundled model nor a local .gguf file"
         import torch
 
         failure = llama_cpp_failure(model_name, torch.get_num_threads())

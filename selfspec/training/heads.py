@@ -372,7 +372,9 @@ def train_heads(
     prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
     pairs = list(zip(prompts, data["answers"] + data["task_answers"]))
     random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
-    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads, budget.until(0.25))
+    # the hidden states cost about what the fit does: each gets a little under half of what is left
+    until = budget.until(0.45)
+    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads, until)
     fit_until = budget.until(0.85)
     trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until)
     trained.info["seconds"] = round(time.time() - started)
