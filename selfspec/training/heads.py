@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -301,13 +302,21 @@ def output_rows(engine: Engine, count: int) -> torch.Tensor:
     return rows.clone()  # outside inference mode: training saves it for the backward pass
 
 
+HELDOUT = 0.1  # the share of answers (the last ones, shuffled) the heads are measured on
+
+
+def held_out_from(count: int, heldout: float = HELDOUT) -> int:
+    """The index of the first held-out answer of ``count`` (at least one is trained on)."""
+    return max(1, int(count * (1 - heldout)))
+
+
 def fit(
     engine: Engine,
     answers: list[tuple[torch.Tensor, torch.Tensor]],
     heads: int,
     epochs: int = 3,
     vocab_prefix: int = 32768,
-    heldout: float = 0.1,
+    heldout: float = HELDOUT,
     seed: int = 0,
     layers: int = 2,
     soft: float = 0.5,
@@ -324,7 +333,7 @@ def fit(
         )
     torch.manual_seed(seed)
     vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
-    split = max(1, int(len(answers) * (1 - heldout)))
+    split = held_out_from(len(answers), heldout)
     train, test = answers[:split], answers[split:] or answers[-1:]
     owner = torch.cat([torch.full((len(h),), k) for k, (h, _) in enumerate(train)])
     trained = fit_rows(
@@ -379,7 +388,7 @@ def train_heads(
     trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until)
     trained.info["seconds"] = round(time.time() - started)
     if measure:
-        heldout = [p for p, _ in pairs[max(1, int(len(rows) * 0.9)) : len(rows)]][:4]
+        heldout = [p for p, _ in pairs[held_out_from(len(rows)) : len(rows)]][:4]
         trained.info["decode_speedup"] = heads_pay(engine, trained, heldout)
     trained.save(out)
     return trained
@@ -395,9 +404,7 @@ def decode_rate(engine: Engine, prompt: list[int], drafter, max_new: int) -> flo
 def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_new: int = 96):
     """Whether the heads pay on this machine: self-speculation's decoding speed with and without
     them over plain decoding's, medians over held-out ``prompts`` (each method once per prompt,
-    in turn, after a warm-up)."""
-    import statistics
-
+    in turn, after a warm-up); None if every plain generation ended at its first token."""
     drafters = {
         "plain": lambda: None,
         "without": lambda: engine.self_drafter(heads=False),
@@ -412,8 +419,11 @@ def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_n
             rates[name].append(decode_rate(engine, prompt, make(), max_new))
         bar.update()
     bar.close()
+    timed = [i for i, plain in enumerate(rates["plain"]) if plain > 0]  # not ended at once
+    if not timed:
+        return None
     return {
-        name: round(statistics.median(r / p for r, p in zip(rates[name], rates["plain"])), 3)
+        name: round(statistics.median(rates[name][i] / rates["plain"][i] for i in timed), 3)
         for name in ("without", "with")
     }
 
