@@ -70,7 +70,7 @@ def unavailable(spec: str | None, model_path: Path | None, draft_path: Path | No
 
 @dataclass
 class Server:
-    """One running llama-server, and the options it was started with."""
+    """One running llama-server: its process, its address and the log it writes."""
 
     process: subprocess.Popen
     url: str
