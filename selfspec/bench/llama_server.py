@@ -54,13 +54,18 @@ def find_binary(name: str = "llama-server") -> Path | None:
     return next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
 
 
-def unavailable(spec: str | None, model_path: Path | None, draft_path: Path | None) -> str | None:
-    """Why a llama-server method cannot run here, or None."""
+def missing_build() -> str | None:
+    """Why no llama-server can run here (none is built), or None."""
     if find_binary() is None:
         return (
             "llama-server is not built: run `python -m selfspec.bench.build_llama_server` "
             f"(about 30 minutes) or set {BINARY_ENV}"
         )
+    return None
+
+
+def unavailable(spec: str | None, model_path: Path | None, draft_path: Path | None) -> str | None:
+    """Why a llama-server method cannot run on these files, or None."""
     if model_path is None:
         return "the model is neither a bundled model nor a local .gguf file"
     if spec == "draft-simple" and draft_path is None:

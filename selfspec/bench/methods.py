@@ -320,7 +320,9 @@ def _gguf_paths(model_name: str, draft_name: str | None) -> tuple[Path | None, P
 
 def llama_server_unavailable(name: str, model_name: str, draft_name: str | None) -> str | None:
     spec = llama_server.SPEC_TYPES[name]
-    return llama_server.unavailable(spec, *_gguf_paths(model_name, draft_name))
+    return llama_server.missing_build() or llama_server.unavailable(
+        spec, *_gguf_paths(model_name, draft_name)
+    )  # the build first: finding the files may fetch a bundled model
 
 
 def _llama_server_method(name: str) -> Method:
