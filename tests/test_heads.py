@@ -260,7 +260,7 @@ def test_head_products_in_8_bits_stay_close_to_float32():
 def test_a_budget_ends_the_answers_early_and_a_rerun_resumes_them(smollm2, tmp_path):
     """A run out of budget stops gathering answers but trains on those it has, saved; a rerun
     keeps them, adds more, and ends by timing the heads against plain decoding."""
-    from selfspec.training.heads import Budget
+    from selfspec.training.budget import Budget
 
     out, work = tmp_path / "heads.safetensors", tmp_path / "work"
     heads = train_heads(smollm2, out, work, questions=64, max_new=48, epochs=2, budget=Budget(0.3))

@@ -314,7 +314,7 @@ def child_failure(argv: list[str], timeout: float = 300.0) -> str | None:
 
 
 def _gguf_paths(model_name: str, draft_name: str | None) -> tuple[Path | None, Path | None]:
-    """The target's and the draft's bundled .gguf files (None where there is none)."""
+    """The target's and the draft's .gguf files (``gguf_path_for``; None where there is none)."""
     return gguf_path_for(model_name), gguf_path_for(draft_name) if draft_name else None
 
 

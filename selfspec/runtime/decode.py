@@ -89,6 +89,13 @@ class DecodeStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second after prefill: the decoding phase on its own (0.0
+        when there is none)."""
+        decoding = self.seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decoding if self.new_tokens > 1 and decoding > 0 else 0.0
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         pairs = zip(self.accepted_by_position, self.drafted_by_position)
         return [a / d if d else 0.0 for a, d in pairs]

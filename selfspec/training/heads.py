@@ -32,6 +32,7 @@ from selfspec.drafters.heads import DraftHeads
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_text
 from selfspec.loading.fetch import progress_bar
+from selfspec.training.budget import Budget, past
 from selfspec.training.fit import fit_rows
 
 if TYPE_CHECKING:
@@ -71,29 +72,6 @@ TASKS = (
     "\n\n{text}",
 )
 LANGUAGES = ("French", "German", "Spanish", "Chinese", "Japanese", "Russian", "Italian", "Korean")
-
-
-class Budget:
-    """The minutes a run may take (``None``: no limit); each stage gets a deadline within it."""
-
-    def __init__(self, minutes: float | None):
-        self.end = None if minutes is None else time.monotonic() + minutes * 60
-
-    def until(self, share: float) -> float | None:
-        """A stage's deadline: ``share`` of the time left from now."""
-        return None if self.end is None else time.monotonic() + share * self.left()
-
-    def left(self) -> float:
-        return float("inf") if self.end is None else max(0.0, self.end - time.monotonic())
-
-    def show(self, bar) -> None:
-        if self.end is not None:
-            minutes, seconds = divmod(int(self.left()), 60)
-            bar.set_postfix_str(f"budget left {minutes}:{seconds:02d}", refresh=False)
-
-
-def past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
 
 
 def generate_greedy(
@@ -395,10 +373,8 @@ def train_heads(
 
 
 def decode_rate(engine: Engine, prompt: list[int], drafter, max_new: int) -> float:
-    """Tokens per second after the first (the decoding phase) of one greedy generation."""
-    stats = engine.generate(prompt, drafter, max_new_tokens=max_new).stats
-    decoding = stats.seconds - stats.prefill_seconds
-    return (stats.new_tokens - 1) / decoding if decoding > 0 else 0.0
+    """The decoding phase's tokens per second of one greedy generation."""
+    return engine.generate(prompt, drafter, max_new_tokens=max_new).stats.decode_tokens_per_second
 
 
 def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_new: int = 96):
