@@ -41,7 +41,7 @@ _SUBCOMMAND_MODULES = {
     ),
     "serve": ("selfspec.server.cli", "serve the model over an OpenAI-compatible HTTP API"),
     "train-heads": (
-        "selfspec.training.heads",
+        "selfspec.training.cli",
         "train draft heads for a model on its own answers (cheap drafts from the last pass)",
     ),
 }
@@ -161,6 +161,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one JSON object with text and stats instead of streaming",
     )
+    p.add_argument(
+        "--learn",
+        action="store_true",
+        help="record the prompt's and answer's tokens (bounded, on this machine) for `selfspec "
+        "train-heads --from-history`, so the model's draft heads learn from its use",
+    )
 
 
 def _generate_model(args: argparse.Namespace) -> str:
@@ -243,6 +249,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[selfspec] {drafter.describe()}", file=sys.stderr)
     on_text = None if args.json else write
     result = engine.generate(prompt_ids, drafter, config=config, on_text=on_text)
+    learned = _learn(engine, prompt_ids, result.token_ids) if args.learn else None
     if args.json:
         print(
             json.dumps(
@@ -251,6 +258,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "model": engine.loaded.name,
                     "drafter": drafter.describe() if drafter is not None else None,
                     **result.to_dict(),
+                    "token_ids": result.token_ids,
+                    **({"history_tokens": learned} if learned is not None else {}),
                 },
                 indent=2,
             )
@@ -258,7 +267,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write("\n")
     print(_stats_line(method, result), file=sys.stderr)
+    if learned is not None:
+        print(
+            f"[selfspec] recorded: the model's history holds {learned} answer tokens to learn "
+            f"from (`selfspec train-heads --model {engine.loaded.name} --from-history`)",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _learn(engine, prompt_ids: list[int], answer_ids: list[int]) -> int:
+    """Record the generation in the model's history; the answer tokens it holds now."""
+    from selfspec.training.history import History
+
+    history = History.for_model(engine.loaded.name)
+    history.record(prompt_ids, answer_ids)
+    return history.tokens()
 
 
 # -------------------------------------------------------------------------------------- main

@@ -168,6 +168,18 @@ CLI_ROWS = [
         "--budget must be a positive number of minutes",
     ),
     (
+        "train-heads no history",
+        lambda t: ["train-heads", *M, "--from-history", str(t / "absent.jsonl")],
+        None,
+        "no history for smollm2-135m at",
+    ),
+    (
+        "train-heads fresh alone",
+        ["train-heads", *M, "--fresh"],
+        None,
+        "--fresh goes with --from-history",
+    ),
+    (
         "missing heads file",
         lambda t: ["generate", "hi", *M, "--heads", str(t / "absent.safetensors")],
         None,

@@ -31,9 +31,10 @@ BLOCKS = {
     "IQ4_NL": (32, 18, (0,)),
     "IQ4_XS": (256, 136, (0,)),
 }
+# read exactly in gguf-q8 only (their tiles are gguf-q8's)
+Q8_BLOCKS = {"Q5_K": (256, 176, (0, 2))}
 # types with no kernel tiles, laid out as Q8_0 in gguf-q8 (the float types are built apart)
 RELAID_BLOCKS = {
-    "Q5_K": (256, 176, (0, 2)),
     "Q5_1": (32, 24, (0, 2)),
     "Q2_K": (256, 84, (80, 82)),
 }
@@ -49,7 +50,7 @@ def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndar
         elif type_name == "BF16":
             values = (values.view(np.uint32) >> 16).astype(np.uint16)
         return values.view(np.uint8)
-    per_block, block_bytes, f16_fields = {**BLOCKS, **RELAID_BLOCKS}[type_name]
+    per_block, block_bytes, f16_fields = {**BLOCKS, **Q8_BLOCKS, **RELAID_BLOCKS}[type_name]
     blocks = rng.integers(0, 256, size=(rows * columns // per_block, block_bytes), dtype=np.uint8)
     for at in f16_fields:
         scales = rng.uniform(-0.05, 0.05, size=blocks.shape[0]).astype(np.float16)
@@ -159,6 +160,73 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
             assert torch.equal(got, expected), (m, reference)
         assert torch.equal(module(x[:m]), expected)
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+
+
+@needs_kernel
+def test_iq4_xs_nibble_panels_give_the_byte_layout_s_bits():
+    """IQ4_XS in gguf-q8 as nibble panels of indices into its 16 levels (where the build has their
+    tiles): about the file's bits a weight instead of 9, the same integers, so every row's bits
+    equal the byte layout's, tiles and scalar reference alike, and Q8Linear's, which holds them."""
+    kernel = load_kernel()
+    rows, columns, type_name = 192, 1536, "IQ4_XS"
+    decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=13), type_name, rows)
+    assert quantized.has_lut_nibbles(decoded) and not quantized.has_six_bits(decoded)
+    nl = blocks.decode(random_blocks("IQ4_NL", 16, 256, seed=1), "IQ4_NL", 16)
+    assert not quantized.has_lut_nibbles(nl)  # a float16 scale per 32: the byte layout
+    wq = quantized.pack(decoded, vnni=True)
+    lut = quantized.pack_lut_nibbles(decoded)
+    assert lut.shape[1] == kernel.quant_panel_bytes(quantized.LUT_NIBBLES, 32, columns)
+    assert lut.shape[1] * 8 / (PANEL * columns) == pytest.approx(4.3125)  # the file's 4.25
+    assert wq.shape[1] * 8 / (PANEL * columns) == 9
+    bias = torch.randn(rows)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+    x[2, :32] = 0
+    module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
+    assert (module.format == quantized.LUT_NIBBLES) == kernel.q8_lut_nibbles()
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
+        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
+        for reference in (False, True):
+            got = kernel.q8_linear(x[:m], lut, quantized.LUT_NIBBLES, 32, bias, reference)
+            assert torch.equal(got, expected), (m, reference)
+        assert torch.equal(module(x[:m]), expected)
+        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+
+
+@needs_kernel
+def test_q5_k_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights():
+    """Q5_K in gguf-q8 as five-bit panels (5.63 bits a weight): the decoder gives gguf's own
+    values; the vector tiles give the scalar reference's bits at every tile shape, rows never
+    depend on each other, and the result is the float64 product of the rounded activations and
+    the file's weights; mode gguf still refuses the type."""
+    kernel = load_kernel()
+    rows, columns = 192, 1536
+    raw = random_blocks("Q5_K", rows, columns, seed=14)
+    exact = dequantize(raw, GGMLQuantizationType.Q5_K).reshape(rows, columns)
+    decoded = blocks.decode(raw, "Q5_K", rows, relay=True)
+    assert decoded.format == quantized.FIVE_BITS and decoded.q.max() == 31
+    assert np.array_equal(decoded.weights(0, rows), exact)
+    assert np.array_equal(blocks.dequantize(raw, "Q5_K", rows), exact)
+    with pytest.raises(SelfSpecError, match="this file has Q5_K. Use --speed gguf-q8"):
+        blocks.decode(raw, "Q5_K", rows)
+    five = quantized.pack_five_bits(decoded)
+    assert five.shape[1] == kernel.quant_panel_bytes(quantized.FIVE_BITS, 32, columns)
+    assert five.shape[1] * 8 / (PANEL * columns) == pytest.approx(5.625)  # the file's 5.5
+    module = quantized.Q8Linear.from_decoded(decoded, "Q5_K", None, kernel)
+    assert (module.format == quantized.FIVE_BITS) == kernel.q8_five_bits()
+    weight = torch.from_numpy(exact).double()
+    bias = torch.randn(rows)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+    x[3, 64:96] = 0  # an all-zero block
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
+        got = kernel.q8_linear(x[:m], five, quantized.FIVE_BITS, 32, bias, False)
+        assert torch.equal(got, kernel.q8_linear(x[:m], five, quantized.FIVE_BITS, 32, bias, True))
+        one = kernel.q8_linear(x[m - 1 : m], five, quantized.FIVE_BITS, 32, bias, False)
+        assert torch.equal(got[m - 1 :], one), m
+        expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
+        assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m
+        assert torch.equal(module(x[:m]) + bias, got)
 
 
 @needs_kernel

@@ -123,9 +123,13 @@ def test_panels_are_built_once_then_mapped_and_no_float32_copy_is_made(
 ):
     gguf, entry = local_cache
     assert not has_weights(entry) and (entry / "config.json").is_file()
+    older, other_mode = entry / "panels-gguf-q8-v4", entry / "panels-gguf-v1"
+    older.mkdir()
+    other_mode.mkdir()
     first = load_model(str(gguf), speed="gguf-q8", fused=False)
     panels = entry / f"panels-gguf-q8-v{gguf_load.layout_version('gguf-q8')}"
     assert modelcache.entry_damage(panels, full=True) is None
+    assert not older.exists() and other_mode.exists()  # an older layout's panels are removed
     assert not (entry / FLOAT32_FOLDER).exists()  # a quantized mode made no float32 copy
 
     def no_build(*args):

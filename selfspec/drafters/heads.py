@@ -218,7 +218,14 @@ class DraftHeads:
         top1 = self.info.get("heldout_top1")
         kept = f", first guess right on {top1:.0%} of held-out answer tokens" if top1 else ""
         layers = " of two layers" if self.downs is not None else ""
-        return f"{len(self)} chained draft head(s){layers} on the final hidden state{kept}"
+        learned = self.info.get("learned_tokens", self.info.get("rows"))
+        use = self.info.get("learned_from_use")
+        source = (
+            f", learned from {learned:,} answer tokens" + (f" ({use:,} from use)" if use else "")
+            if learned
+            else ""
+        )
+        return f"{len(self)} chained draft head(s){layers} on the final hidden state{kept}{source}"
 
     def steps(self) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
         """Per head, (state, token input) -> next state in float32 (training and measuring)."""

@@ -197,11 +197,16 @@ at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64
 }
 
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
-  const int64_t multiple = format == kSuperNibbles || format == kSixBits ? 256 : group;
+  const int64_t multiple =
+      format == kSuperNibbles || format == kSixBits || format == kLutNibbles || format == kFiveBits ? 256 : group;
   TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
   if (format == kSixBits) {
     TORCH_CHECK(group == 16, "six-bit panels hold groups of 16");
     return SixBitLayout::panel_bytes(K);
+  }
+  if (format == kLutNibbles || format == kFiveBits) {
+    TORCH_CHECK(group == 32, "IQ4_XS and Q5_K panels hold groups of 32");
+    return format == kLutNibbles ? LutLayout::panel_bytes(K) : FiveBitLayout::panel_bytes(K);
   }
   return with_format(format, group, [&](auto f, auto g) { return Layout<decltype(f)::value, decltype(g)::value>::panel_bytes(K); });
 }

@@ -127,6 +127,8 @@ constexpr int kNibbles = 0;
 constexpr int kBytes = 1;
 constexpr int kSuperNibbles = 2;
 constexpr int kSixBits = 3;  // mode gguf-q8 only: see SixBitLayout
+constexpr int kLutNibbles = 4;  // mode gguf-q8 only: see LutLayout
+constexpr int kFiveBits = 5;    // mode gguf-q8 only: see FiveBitLayout
 
 #ifndef SELFSPEC_QPREFETCH
 #define SELFSPEC_QPREFETCH 4096
@@ -196,18 +198,13 @@ struct Layout {
   };
 };
 
-// kSixBits (G = 16; Q6_K in mode gguf-q8, VNNI and AVX2 builds): the file's 6.56 bits a weight
-// instead of kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low
-// nibbles and 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3)
-// is lane j's bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in
-// low-nibble vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are
-// bits 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
-struct SixBitLayout {
-  static constexpr int64_t kSuperHeader = 2 * kPanel;
-  static constexpr int64_t kGroupHeader = kPanel;
-  static constexpr int64_t kLowBytes = 8 * kPanel;
-  static constexpr int64_t kGroupBytes = kGroupHeader + kLowBytes + 4 * kPanel;
-  static constexpr int64_t kSuperGroups = 16;
+// Panels of superblocks (256 k): a header of SUPER_HEADER bytes, then GROUPS groups of GROUP_BYTES
+// (the layouts below add what a group holds).
+template <int64_t SUPER_HEADER, int64_t GROUP_BYTES, int64_t GROUPS>
+struct SuperBlocks {
+  static constexpr int64_t kSuperHeader = SUPER_HEADER;
+  static constexpr int64_t kGroupBytes = GROUP_BYTES;
+  static constexpr int64_t kSuperGroups = GROUPS;
   static constexpr int64_t kSuperBytes = kSuperHeader + kSuperGroups * kGroupBytes;
 
   static int64_t panel_bytes(int64_t K) { return K / 256 * kSuperBytes; }
@@ -221,6 +218,18 @@ struct SixBitLayout {
       _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
     return rec;
   }
+};
+
+// kSixBits (G = 16; Q6_K in mode gguf-q8, VNNI and AVX2 builds): the file's 6.56 bits a weight
+// instead of kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low
+// nibbles and 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3)
+// is lane j's bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in
+// low-nibble vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are
+// bits 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
+struct SixBitLayout : SuperBlocks<2 * kPanel, kPanel + 12 * kPanel, 16> {
+  static constexpr int64_t kGroupHeader = kPanel;
+  static constexpr int64_t kLowBytes = 8 * kPanel;
+
   // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale, d * sc (the float32 product).
   static vec scale(const uint8_t* panel, int64_t gi, int v) {
     return vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec));
@@ -233,6 +242,44 @@ struct SixBitLayout {
     const int t = kk / 4, b = j * 4 + kk % 4;
     const int low = (q[t / 2 * 64 + b] >> (4 * (t % 2))) & 15;
     return low | (((q[kLowBytes + b] >> (2 * t)) & 3) << 4);
+  }
+};
+
+// kLutNibbles (G = 32; IQ4_XS in mode gguf-q8): the file's 4.25 bits a weight as 4.31 instead of
+// the byte layout's 9. Per 256 k: half d[16]; then 8 groups of int8 sc[16] and 4 vectors of 16
+// lanes x 4 k: vector t holds k = 4t..4t+3 in its low nibbles and k = 16 + 4t.. in its high ones,
+// each nibble an index into ggml's 16 IQ4 levels (q8lut.h). scale = d * sc, the float32 product
+// (exact: the byte layout's float).
+struct LutLayout : SuperBlocks<2 * kPanel, kPanel + 16 * kPanel, 8> {
+  static constexpr int64_t kGroupHeader = kPanel;
+
+  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
+    for (int v = 0; v < kVecPerPanel; ++v)
+      vstore(out + v * kVec, vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec)));
+  }
+};
+
+// kFiveBits (G = 32; Q5_K in mode gguf-q8): the file's 5.5 bits a weight as 5.63 instead of the
+// Q8_0 layout's 9. Per 256 k: half d[16], half dmin[16]; then 8 groups of uint8 sc[16], uint8
+// m[16], 4 vectors of low nibbles (kLutNibbles' arrangement) and one vector of high bits: bit t of
+// byte b is the high bit of byte b's low nibble in vector t, bit 4 + t that of its high nibble.
+// u = q in [0, 31]; scale = d * sc and offset = -(dmin * m), float32 products as ggml's.
+struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + 20 * kPanel, 8> {
+  static constexpr int64_t kGroupHeader = 2 * kPanel;
+  static constexpr int64_t kLowBytes = 16 * kPanel;
+
+  static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      const uint8_t* sup = super(panel, gi);
+      vstore(scale + v * kVec, vmul(f16_to_vec(sup + 2 * v * kVec), u8_to_vec(group(panel, gi) + v * kVec)));
+      vstore(offset + v * kVec,
+             vneg(vmul(f16_to_vec(sup + 2 * kPanel + 2 * v * kVec), u8_to_vec(group(panel, gi) + kPanel + v * kVec))));
+    }
+  }
+  // u of lane j, k = kk of a group record (past its header)
+  static int32_t u(const uint8_t* q, int j, int kk) {
+    const int t = (kk % 16) / 4, b = j * 4 + kk % 4, half = kk < 16 ? 0 : 4;
+    return ((q[t * 64 + b] >> half) & 15) | (((q[kLowBytes + b] >> (half + t)) & 1) << 4);
   }
 };
 
@@ -524,6 +571,7 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
+  TORCH_CHECK(format != kLutNibbles && format != kFiveBits, "IQ4_XS and Q5_K panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});

@@ -65,6 +65,8 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
                      bool reference);
 bool q8_vectorized();
 bool q8_six_bits();
+bool q8_lut_nibbles();
+bool q8_five_bits();
 
 // layers.cpp
 

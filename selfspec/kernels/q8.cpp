@@ -1,4 +1,6 @@
 // q8.h's entry points (speed mode gguf-q8): every tile of q8.h and q8six.h is compiled here.
+#include "q8five.h"
+#include "q8lut.h"
 #include "q8six.h"
 
 namespace selfspec {
@@ -10,9 +12,13 @@ Q8Job q8_job(const QuantizedRows& a, const at::Tensor& wq, int64_t format, int64
   TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, a.K),
               "x has ", a.K, " features, which does not match the quantized weight");
   y = at::empty({a.M, N}, at::dtype(at::kFloat));
-  Q8Job::UnitFn unit = format == kSixBits ? &q8six_run_unit : with_format(format, group, [](auto f, auto g) {
-    return static_cast<Q8Job::UnitFn>(&q8_run_unit<decltype(f)::value, decltype(g)::value>);
-  });
+  Q8Job::UnitFn unit = format == kSixBits      ? &q8six_run_unit
+                       : format == kLutNibbles ? &q8lut_run_unit
+                       : format == kFiveBits   ? &q8five_run_unit
+                                               : with_format(format, group, [](auto f, auto g) {
+                                                   return static_cast<Q8Job::UnitFn>(
+                                                       &q8_run_unit<decltype(f)::value, decltype(g)::value>);
+                                                 });
   return {unit, wq.data_ptr<uint8_t>(), P / kGroup, y.data_ptr<float>(), N, bias_pointer(bias, N)};
 }
 
@@ -52,5 +58,10 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
 bool q8_vectorized() { return kHaveQ8Vector; }
 // Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the VNNI or AVX2 tiles).
 bool q8_six_bits() { return kHaveSixBitTiles; }
+// Whether mode gguf-q8 holds IQ4_XS as nibble panels in this build (the VNNI or AVX2
+// tiles; the scalar reference alone would be slower than the byte layout).
+bool q8_lut_nibbles() { return kHaveLutTiles; }
+// Whether mode gguf-q8 holds Q5_K as five-bit panels in this build (else as Q8_0).
+bool q8_five_bits() { return kHaveFiveBitTiles; }
 
 }  // namespace selfspec

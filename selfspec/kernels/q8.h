@@ -439,6 +439,31 @@ constexpr bool kHaveQ8Vector = true;
 constexpr bool kHaveQ8Vector = false;
 #endif
 
+// The panel functions of a layout with tiles of its own (q8six.h, q8lut.h, q8five.h): its scalar
+// reference and its AVX2 tiles (one panel at p), its VNNI group of tiles (panels from p on).
+using Q8PanelFn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, int64_t, float*, int64_t,
+                           const float*);
+
+// Panels [g * kGroup, (g + 1) * kGroup) of such a layout: ``Vector`` (the VNNI group or the AVX2
+// panels), or the scalar reference.
+template <int64_t (*PanelBytes)(int64_t), Q8PanelFn Reference, Q8PanelFn Vector>
+inline void q8_layout_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
+                           const float* bias, bool reference) {
+  const int64_t M = a.M, K = a.K, panel_bytes = PanelBytes(K);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  if (!reference) return Vector(a, M, K, wq, g * kGroup, y, N, bias);
+#endif
+  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) {
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
+    if (!reference) {
+      Vector(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+      continue;
+    }
+#endif
+    Reference(a, M, K, wq + p * panel_bytes, p, y, N, bias);
+  }
+}
+
 // Panels [g * kGroup, (g + 1) * kGroup) of one layer: the unit of parallel work.
 template <int FORMAT, int G>
 void q8_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N, const float* bias,

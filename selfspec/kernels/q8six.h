@@ -89,6 +89,7 @@ inline void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const 
   q8_run_tiles(table.data(), a, a.s16, K / 16, M, K, wq, p_begin, y, N, bias);
 }
 
+constexpr Q8PanelFn kSixBitVector = &q8six_run_group;
 constexpr bool kHaveSixBitTiles = true;
 #elif defined(__AVX2__)
 
@@ -189,8 +190,10 @@ inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const
   }
 }
 
+constexpr Q8PanelFn kSixBitVector = &q8six_panel_avx2;
 constexpr bool kHaveSixBitTiles = true;
 #else
+constexpr Q8PanelFn kSixBitVector = &q8six_reference_panel;
 constexpr bool kHaveSixBitTiles = false;
 #endif
 
@@ -200,19 +203,7 @@ constexpr bool kHaveSixBitTiles = false;
 // kernel changes).
 inline void q8six_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
                            const float* bias, bool reference) {
-  const int64_t M = a.M, K = a.K, panel_bytes = SixBitLayout::panel_bytes(K);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  if (!reference) return q8six_run_group(a, M, K, wq, g * kGroup, y, N, bias);
-#endif
-  for (int64_t p = g * kGroup; p < (g + 1) * kGroup; ++p) {
-#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__))
-    if (!reference) {
-      q8six_panel_avx2(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-      continue;
-    }
-#endif
-    q8six_reference_panel(a, M, K, wq + p * panel_bytes, p, y, N, bias);
-  }
+  q8_layout_unit<&SixBitLayout::panel_bytes, &q8six_reference_panel, kSixBitVector>(a, wq, g, y, N, bias, reference);
 }
 
 }  // namespace selfspec

@@ -80,7 +80,7 @@ def _check_gguf(path: Path) -> CheckReport:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     from selfspec.loading.gguf_reader import read_gguf
-    from selfspec.speed.blocks import DECODERS, read_problem
+    from selfspec.speed.blocks import DECODERS, Q8_DECODERS, read_problem
 
     gguf = read_gguf(path)  # a damaged file: a one-line error
     arch = gguf.architecture
@@ -103,8 +103,9 @@ def _check_gguf(path: Path) -> CheckReport:
     }
     if "output.weight" not in gguf.tensors:  # the output layer is the embedding's
         matrices.add(gguf.tensors["token_embd.weight"].type_name)
-    relaid = sorted(matrices - set(DECODERS))
+    inexact = sorted(matrices - set(DECODERS))
+    relaid = sorted(matrices - set(DECODERS) - set(Q8_DECODERS))
     report.modes = {"torch": "yes (float32 copy)", "packed": "yes (float32 copy)"}
-    report.modes["gguf"] = "yes" if not relaid else f"no ({', '.join(relaid)} not read exactly)"
+    report.modes["gguf"] = "yes" if not inexact else f"no ({', '.join(inexact)} not read exactly)"
     report.modes["gguf-q8"] = "yes" if not relaid else f"yes ({', '.join(relaid)} laid out as Q8_0)"
     return report

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -46,14 +47,16 @@ from selfspec.speed.quantized import (
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
-SIX_BIT_LAYOUT_VERSION = 4  # gguf-q8 with Q6_K as six-bit panels only (v3 held the bytes too)
+# gguf-q8 with Q6_K as six-bit panels, IQ4_XS as nibbles and Q5_K as five-bit panels (v4: Q6_K
+# only, IQ4_XS as bytes and Q5_K as Q8_0; v3 held Q6_K's bytes too)
+Q8_LAYOUT_VERSION = 6
 EXACT_SIX_BIT_LAYOUT_VERSION = 5  # gguf with Q6_K as six-bit panels (v1: as bytes)
 
 
 def layout_version(mode: str) -> int:
     """The panel layout version speed mode ``mode`` uses with this machine's kernel build."""
     if mode == "gguf-q8" and Q8Linear.wants_six_bits(load_kernel()):
-        return SIX_BIT_LAYOUT_VERSION
+        return Q8_LAYOUT_VERSION
     if mode == "gguf" and QuantLinear.wants_six_bits(load_kernel()):
         return EXACT_SIX_BIT_LAYOUT_VERSION
     return LAYOUT_VERSION
@@ -254,7 +257,12 @@ def _panels(folder: Path, mode: str, model: nn.Module, sources: list, cls) -> di
         entry = folder / f"panels-{mode}-v{layout_version(mode)}"
         label = f"{mode} panels of {folder.name}"
         with contextlib.suppress(OSError):  # read-only: the lock, staging or publishing failed
-            return _map_panels(build_entry(entry, label, build, lock=f"{folder.name}-{entry.name}"))
+            lock = f"{folder.name}-{entry.name}"
+            mapped = _map_panels(build_entry(entry, label, build, lock=lock))
+            for older in folder.glob(f"panels-{mode}-v*"):  # an older layout's, never read again
+                if older.name != entry.name:
+                    shutil.rmtree(older, ignore_errors=True)  # a process mapping it keeps its copy
+            return mapped
     with tempfile.TemporaryDirectory(prefix="selfspec-panels-") as work:
         build_panels(model, sources, cls, Path(work))
         return _map_panels(Path(work))  # the mapping outlives the files

@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same tokens (a system prompt, the turns before it) reads only the rest; 0 turns it off; "
         f"not in speed mode torch (default {DEFAULT_PREFIX_CACHE_MB})",
     )
+    parser.add_argument(
+        "--learn",
+        action="store_true",
+        help="record each finished request's tokens (bounded, on this machine) for `selfspec "
+        "train-heads --from-history`, so the model's draft heads learn from its use; off by "
+        "default, since the record holds what clients sent",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from selfspec.server.app import Limits, Service, create_app
     from selfspec.server.guard import LOOPBACK_HOSTS
     from selfspec.server.scheduler import Scheduler
+    from selfspec.training.history import History
 
     check_at_least("--queue-size", args.queue_size, 1)
     check_at_least("--max-batch", args.max_batch, 1)
@@ -120,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
+    history = History.for_model(engine.loaded.name) if args.learn else None
     scheduler = Scheduler(
-        engine, drafter, args.queue_size, args.max_batch, args.prefix_cache_mb << 20
+        engine, drafter, args.queue_size, args.max_batch, args.prefix_cache_mb << 20, history
     )
     limits = Limits(args.max_tokens, args.max_tokens_cap, args.max_body_kb << 10, args.api_key)
     service = Service(engine, scheduler, args.served_name or args.model, limits)
@@ -137,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"[selfspec] serving {service.model_name} ({engine.loaded.speed}) on "
         f"http://{args.host}:{args.port}/v1"
-        f"{' (API key required)' if args.api_key else ''}; {drafter.describe()}",
+        f"{' (API key required)' if args.api_key else ''}; {drafter.describe()}"
+        f"{f'; recording use in {history.path}' if history else ''}",
         file=sys.stderr,
         flush=True,
     )

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from selfspec.errors import SelfSpecError
 from selfspec.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from selfspec.engine import Engine
     from selfspec.runtime.batch import Sequence
     from selfspec.runtime.decode import DecodeConfig
+    from selfspec.training.history import History
 
 
 @dataclass
@@ -203,11 +206,13 @@ class Scheduler:
         queue_size: int,
         max_batch: int = 8,
         prefix_cache_bytes: int = 0,
+        history: History | None = None,
     ):
         from selfspec.drafters.batched import BatchDrafter
         from selfspec.runtime.prefixes import PrefixStore
 
         self.engine, self.drafter = engine, drafter
+        self.history = history  # finished requests are recorded there for the heads to learn
         # shares the solo drafter's pass costs and context-draft acceptance
         self.batch_drafter = BatchDrafter.following(drafter) if drafter is not None else None
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -342,7 +347,7 @@ class Scheduler:
         if job.cancelled.is_set():
             self._count(cancelled=1)
         elif stats.stop_reason != "paused":
-            self._done(job, trimmer, stats)
+            self._done(job, trimmer, stats, generated)
         else:
             sequence = resume_sequence(
                 runner,
@@ -409,7 +414,8 @@ class Scheduler:
             self.batch.remove(running)
             self._keep(running.sequence.cached_tokens(), running.sequence.cache)
             stats = running.sequence.finish()
-            self._done(running.job, running.trimmer, stats, running.prefilled_apart)
+            answer = running.sequence.gen.generated
+            self._done(running.job, running.trimmer, stats, answer, running.prefilled_apart)
 
     def _keep(self, tokens: list[int], cache) -> None:
         """Keep the keys and values of ``tokens`` (at the first positions of ``cache``) for the
@@ -419,9 +425,12 @@ class Scheduler:
             self.metrics.prefix_cache_bytes = self.prefixes.nbytes
             self.metrics.prefix_cache_evictions = self.prefixes.evictions
 
-    def _done(self, job: Job, trimmer: StopTrimmer, stats, prefilled_apart: bool = True) -> None:
-        """``prefilled_apart``: the prompt was read in a pass of its own (its time counts as
-        prefill), not in chunks inside the batch's passes (already counted there)."""
+    def _done(
+        self, job: Job, trimmer: StopTrimmer, stats, answer: list[int], prefilled_apart=True
+    ) -> None:
+        """``answer``: the ids generated. ``prefilled_apart``: the prompt was read in a pass of its
+        own (its time counts as prefill), not in chunks inside the batch's passes (already
+        counted there)."""
         tail = trimmer.finish()
         if tail:
             job.on_event("text", tail)
@@ -438,6 +447,12 @@ class Scheduler:
             prefill_seconds=stats.prefill_seconds if prefilled_apart else 0.0,
         )
         self._gauges()  # before the client hears of it: /metrics never lags behind a reply
+        if self.history is not None:  # before the reply: a client that reads it finds it
+            try:
+                self.history.record(job.prompt_ids, answer)
+            except (OSError, SelfSpecError) as exc:  # a full disk ends the record, never the server
+                print(f"[selfspec] not recording use any more: {exc}", file=sys.stderr)
+                self.history = None
         job.on_event("done", (trimmer.whole(), finish, stats))
 
     def _fail(self, job: Job, exc: Exception) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from selfspec.errors import SelfSpecError
 
-NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS = 0, 1, 2, 3  # kernel formats (kernels/linear.h)
+# kernel formats (kernels/linear.h); SIX_BITS, LUT_NIBBLES and FIVE_BITS in mode gguf-q8 only
+NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS, LUT_NIBBLES, FIVE_BITS = 0, 1, 2, 3, 4, 5
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -25,9 +26,11 @@ RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q
 class Decoded:
     """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
 
-    SUPER_NIBBLES (Q4_K) keeps the file's factors instead of their float32 products:
+    SUPER_NIBBLES (Q4_K) and FIVE_BITS (Q5_K: q in [0, 31]) keep the file's factors instead of
+    their float32 products:
     scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
-    Q6_K (BYTES, G = 16) keeps them beside its scales: d [N, K // 256] float16, sc int8."""
+    Q6_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d [N, K // 256]
+    float16, sc int8."""
 
     q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
     scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
@@ -37,13 +40,14 @@ class Decoded:
     factors: tuple | None = (
         None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8; Q6_K: d, sc
     )
+    levels: np.ndarray | None = None  # IQ4_XS: the 16 values q takes, each picked by 4 bits
 
     def weights(self, first: int, last: int) -> np.ndarray:
         """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
         float32, so adding the offset rounds once, like ggml's formula."""
         q = self.q[first:last].astype(np.float32)
         rows, k = q.shape
-        if self.format == SUPER_NIBBLES:
+        if self.format in (SUPER_NIBBLES, FIVE_BITS):
             d, dmin, sc, m = (f[first:last].astype(np.float32) for f in self.factors)
             scale = np.repeat(d, 256 // self.group, axis=1) * sc
             offset = -(np.repeat(dmin, 256 // self.group, axis=1) * m)
@@ -75,29 +79,38 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return ((packed.reshape(-1, 1, 16) >> _NIBBLE_SHIFTS) & 15).reshape(-1, 32)
 
 
-def _q4_k(raw, rows):
-    b = _blocks(
-        raw, 144
-    )  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-    d, dmin = (
-        np.ascontiguousarray(b[:, 0:2]).view(np.float16),
-        np.ascontiguousarray(b[:, 2:4]).view(np.float16),
-    )
-    packed = b[:, 4:16].reshape(-1, 3, 4)
-    lo, mid, hi = packed[:, 0], packed[:, 1], packed[:, 2]
+def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes per 256 weights -> 8 six-bit scales and 8 six-bit mins."""
+    lo, mid, hi = (packed.reshape(-1, 3, 4)[:, i] for i in range(3))
     sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 2) & 48)], axis=1)
     mins = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 2) & 48)], axis=1)
-    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    q = (qs & 15).reshape(
-        rows, -1
-    )  # sub-block 2c from the low nibbles of chunk c, 2c+1 from the high
-    factors = (
-        d.reshape(rows, -1),
-        dmin.reshape(rows, -1),
-        sc.reshape(rows, -1),
-        mins.reshape(rows, -1),
-    )
-    return Decoded(q, None, None, 32, SUPER_NIBBLES, factors)
+    return sc, mins
+
+
+def _super_factors(b: np.ndarray, rows: int) -> tuple:
+    """d, dmin (float16, per 256) and sc, m (uint8, per 32) of Q4_K or Q5_K blocks ``b``."""
+    d, dmin = (np.ascontiguousarray(b[:, i : i + 2]).view(np.float16) for i in (0, 2))
+    sc, mins = _scales_and_mins(b[:, 4:16])
+    return tuple(f.reshape(rows, -1) for f in (d, dmin, sc, mins))
+
+
+def _chunk_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 128] bytes -> [blocks, 256]: sub-block 2c from the low nibbles of chunk c (32
+    bytes), 2c + 1 from its high ones."""
+    return ((qs.reshape(-1, 4, 1, 32) >> _NIBBLE_SHIFTS.reshape(1, 1, 2, 1)) & 15).reshape(-1, 256)
+
+
+def _q4_k(raw, rows):
+    b = _blocks(raw, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 of nibbles
+    q = _chunk_nibbles(b[:, 16:]).reshape(rows, -1)
+    return Decoded(q, None, None, 32, SUPER_NIBBLES, _super_factors(b, rows))
+
+
+def _q5_k(raw, rows):
+    b = _blocks(raw, 176)  # Q4_K's fields, with 32 bytes of high bits (bit s: sub-block s) first
+    high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = (_chunk_nibbles(b[:, 48:]) | (high.reshape(-1, 256) << 4)).reshape(rows, -1)
+    return Decoded(q, None, None, 32, FIVE_BITS, _super_factors(b, rows))
 
 
 def _q4_1(raw, rows):
@@ -170,11 +183,17 @@ def _iq4_xs(raw, rows):
     high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
     low = ((b[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8)) & 15).reshape(-1, 8)
     sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(b[:, 0:2]) * sc.astype(np.float32)  # per 32 weights, d * sc: exact in float32
+    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16)
+    scale = d.astype(np.float32) * sc.astype(np.float32)  # per 32 weights, d * sc: exact in float32
     q = IQ4_LEVELS[_nibbles(b[:, 8:].reshape(-1, 16))]
-    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 32, BYTES)
+    factors = (d.reshape(rows, -1), sc.reshape(rows, -1))  # for gguf-q8's nibble panels
+    scale = scale.reshape(rows, -1)
+    return Decoded(q.reshape(rows, -1), scale, None, 32, BYTES, factors, IQ4_LEVELS)
 
 
+# Types mode gguf-q8 holds as they are where the build has their tiles (kernels/q8five.h); mode
+# gguf (exact) has no tiles for them.
+Q8_DECODERS = {"Q5_K": _q5_k}
 DECODERS = {
     "Q4_K": _q4_k,
     "Q4_1": _q4_1,
@@ -203,8 +222,9 @@ def round_q8_0(weight: np.ndarray) -> Decoded:
 
 def dequantize(raw: np.ndarray, type_name: str, rows: int) -> np.ndarray:
     """Rows of any type ``gguf`` reads as float32 [rows, K]: the values ggml dequantizes them to."""
-    if type_name in DECODERS:
-        return DECODERS[type_name](raw, rows).weights(0, rows).astype(np.float32, copy=False)
+    decoder = DECODERS.get(type_name) or Q8_DECODERS.get(type_name)
+    if decoder is not None:
+        return decoder(raw, rows).weights(0, rows).astype(np.float32, copy=False)
     from gguf import GGMLQuantizationType
     from gguf import dequantize as gguf_dequantize
 
@@ -236,9 +256,10 @@ def _gguf_version() -> str:
 
 
 def decode(raw: np.ndarray, type_name: str, rows: int, relay: bool = False) -> Decoded:
-    """``rows`` rows of ``type_name`` blocks in a kernel format: exactly, or (``relay``, for types
-    without kernel tiles) rounded to Q8_0 from their exact float32 values."""
-    decoder = DECODERS.get(type_name)
+    """``rows`` rows of ``type_name`` blocks in a kernel format: exactly (``relay``: mode gguf-q8,
+    ``Q8_DECODERS`` too), or (``relay``, for types without kernel tiles) rounded to Q8_0 from
+    their exact float32 values."""
+    decoder = DECODERS.get(type_name) or (Q8_DECODERS.get(type_name) if relay else None)
     if decoder is not None:
         return decoder(raw, rows)
     if not relay:

@@ -16,8 +16,9 @@ the float32 model's (see ``selfspec.speed.modes``).
 Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale factors), Q4_1
 and Q4_0 (4-bit, float scale and offset per 32), Q6_K (int8 per 16, or six bits where the build
 has the six-bit tiles: both modes on AVX-512), Q3_K (int8 per 16), Q8_0, Q5_0, IQ4_NL and IQ4_XS
-(int8 per 32). Other types gguf reads are laid out as Q8_0 in mode gguf-q8 only. The embedding
-and the norms stay float32 (they are not streamed per step).
+(int8 per 32). Mode gguf-q8 also holds IQ4_XS as its 4-bit indices and Q5_K as five-bit panels
+(``pack_lut_nibbles``, ``pack_five_bits``); other types gguf reads are laid out as Q8_0 in mode
+gguf-q8 only. The embedding and the norms stay float32 (they are not streamed per step).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from selfspec.runtime.adapters import adapter_for
 from selfspec.speed.blocks import (
     BYTES,
     DECODERS,
+    FIVE_BITS,
+    LUT_NIBBLES,
     NIBBLES,
+    Q8_DECODERS,
     RELAID,
     SIX_BITS,
     SUPER_NIBBLES,
@@ -108,6 +112,54 @@ def pack_six_bits(decoded: Decoded) -> torch.Tensor:
     return torch.from_numpy(record.reshape(panels, -1))
 
 
+def has_lut_nibbles(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is IQ4_XS, which ``pack_lut_nibbles`` lays out."""
+    return decoded.levels is not None and decoded.factors is not None
+
+
+def pack_lut_nibbles(decoded: Decoded) -> torch.Tensor:
+    """IQ4_XS in the kernel's LUT_NIBBLES layout (kernels/linear.h, LutLayout): per 256 k, d; per
+    group of 32 k, sc and each level's 4-bit index in gguf-q8's nibble arrangement."""
+    n, k = decoded.q.shape
+    panels = n // PANEL
+    inverse = np.zeros(256, np.uint8)  # level (as its byte) -> its index: a byte a weight
+    inverse[decoded.levels.view(np.uint8)] = np.arange(len(decoded.levels), dtype=np.uint8)
+    index = inverse[decoded.q.view(np.uint8)]
+    q = _q_vnni_arrangement(Decoded(index, None, None, 32, NIBBLES))
+    d, sc = decoded.factors
+    record = np.concatenate([_lanes_last(sc).view(np.uint8), q], axis=2)
+    supers = k // 256
+    record = np.concatenate(
+        [_lanes_last(d).view(np.uint8), record.reshape(panels, supers, -1)], axis=2
+    )
+    return torch.from_numpy(record.reshape(panels, -1))
+
+
+def pack_five_bits(decoded: Decoded) -> torch.Tensor:
+    """Q5_K in the kernel's FIVE_BITS layout (kernels/linear.h, FiveBitLayout): per 256 k, d and
+    dmin; per group of 32 k, sc, m, the low nibbles in gguf-q8's nibble arrangement and the high
+    bits (bit t of byte b: that of byte b's low nibble in vector t; bit 4 + t: its high one's)."""
+    n, k = decoded.q.shape
+    panels, groups = n // PANEL, k // 32
+    low = _q_vnni_arrangement(Decoded(decoded.q & 15, None, None, 32, NIBBLES))
+    high = (decoded.q >> 4).reshape(panels, PANEL, groups, 2, 4, 4)  # lane, group, half, t, k % 4
+    high = high.transpose(0, 2, 1, 5, 3, 4)  # [P, group, lane, k % 4, half, t]
+    shifts = (np.arange(4, dtype=np.uint8) + np.array([[0], [4]], np.uint8)).astype(np.uint8)
+    high = (high << shifts).sum(axis=(4, 5), dtype=np.uint8).reshape(panels, groups, 64)
+    d, dmin, sc, m = decoded.factors
+    record = np.concatenate([_lanes_last(sc), _lanes_last(m), low, high], axis=2)
+    supers = k // 256
+    record = np.concatenate(
+        [
+            _lanes_last(d).view(np.uint8),
+            _lanes_last(dmin).view(np.uint8),
+            record.reshape(panels, supers, -1),
+        ],
+        axis=2,
+    )
+    return torch.from_numpy(record.reshape(panels, -1))
+
+
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
     """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode
     gguf-q8's arrangement of each group's integers; headers and sizes are the same)."""
@@ -175,6 +227,12 @@ class QuantLinear(nn.Module):
         """(panels, kernel format, group size) of ``decoded`` in this mode."""
         if cls.wants_six_bits(kernel) and has_six_bits(decoded):
             return pack_six_bits(decoded), SIX_BITS, 16
+        if cls.vnni and has_lut_nibbles(decoded) and kernel.q8_lut_nibbles():
+            return pack_lut_nibbles(decoded), LUT_NIBBLES, 32
+        if decoded.format == FIVE_BITS:
+            if kernel.q8_five_bits():
+                return pack_five_bits(decoded), FIVE_BITS, 32
+            decoded = round_q8_0(decoded.weights(0, len(decoded.q)))  # no tiles in this build
         return pack(decoded, vnni=cls.vnni), decoded.format, decoded.group
 
     @classmethod
@@ -320,7 +378,8 @@ def check_types(sources: list[tuple], relay: bool, gguf_path: Path) -> None:
 def layer_type(type_name: str, relay: bool) -> str:
     """What a layer of the file's ``type_name`` holds: the type, or (``relay``, a type without
     kernel tiles) the type laid out as Q8_0."""
-    return f"{type_name}{RELAID}" if relay and type_name not in DECODERS else type_name
+    exact = DECODERS.keys() | (Q8_DECODERS.keys() if relay else set())
+    return f"{type_name}{RELAID}" if relay and type_name not in exact else type_name
 
 
 def raw_rows(model: nn.Module, tensor, first: int, last: int) -> np.ndarray:

@@ -63,7 +63,8 @@ def fit_rows(
         "heldout_top1_by_head": [round(t, 4) for t in top1],
         "heldout_top1": round(top1[0], 4),
     }
-    heads.frequent = frequent_ids(tokens[1], embed.shape[0])
+    earlier = init.frequent if init is not None else None
+    heads.frequent = frequent_ids(tokens[1], embed.shape[0], earlier=earlier)
     return heads
 
 
@@ -143,12 +144,21 @@ def soft_loss(logits, hidden, owner, rows, j, out):
     return -(target * torch.log_softmax(logits[same], -1)).sum(-1).mean()
 
 
-def frequent_ids(tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS) -> torch.Tensor:
+def frequent_ids(
+    tokens: torch.Tensor, vocab: int, count: int = 2 * FREQUENT_IDS, earlier=None
+) -> torch.Tensor:
     """Up to ``count`` token ids, those ``tokens`` (-1: none) holds most often first (ties: lower id
-    first), then the lowest ids it lacks."""
+    first), then the lowest ids it lacks. With ``earlier`` (the ids of heads trained before), those
+    ``tokens`` holds more than once, then ``earlier``'s: what the heads learned from before still
+    counts when they go on learning from a little more."""
     seen = torch.bincount(tokens[tokens >= 0].cpu().long(), minlength=vocab)[:vocab]
     order = torch.sort(-seen, stable=True).indices  # by count, ids in order within a count
-    return order[:count].clone()
+    if earlier is None:
+        return order[:count].clone()
+    order = torch.cat([order[: int((seen > 1).sum())], earlier.cpu().long(), order])
+    place = torch.arange(len(order))
+    first = torch.full((vocab,), len(order)).scatter_reduce(0, order, place, "amin")
+    return order[first[order] == place][: max(count, len(earlier))].clone()  # each id once
 
 
 def _chain(hidden, tokens, steps, out, embed):

@@ -34,6 +34,7 @@ from selfspec.fileio import atomic_write_text
 from selfspec.loading.fetch import progress_bar
 from selfspec.training.budget import Budget, past
 from selfspec.training.fit import fit_rows
+from selfspec.training.history import History
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine
@@ -299,11 +300,12 @@ def fit(
     layers: int = 2,
     soft: float = 0.5,
     deadline: float | None = None,
+    init: DraftHeads | None = None,
 ) -> DraftHeads:
     """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over the first
     ``vocab_prefix`` ids, ``soft`` of it against the model's own distribution; guesses past them
     are left out) on all but the last ``heldout`` share of answers, measured on those; no batch
-    begins past ``deadline``."""
+    begins past ``deadline``. ``init``: heads to start from (default: zeros)."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
@@ -326,6 +328,7 @@ def fit(
         soft=soft,
         owner=owner,
         deadline=deadline,
+        init=init,
     )
     trained.info.update(
         model=engine.loaded.name,
@@ -348,28 +351,64 @@ def train_heads(
     soft: float = 0.5,
     budget: Budget | None = None,
     measure: bool = False,
+    history: History | None = None,
+    start: DraftHeads | None = None,
 ) -> DraftHeads:
-    """Answers (resumed from ``work``), their hidden states, the fit, saved to ``out``; within
-    ``budget`` when given. ``measure``: time them on held-out prompts on this machine first
-    (``heads_pay``; in ``info["decode_speedup"]``)."""
+    """Answers (resumed from ``work``; or ``history``'s, what the model was used for), their
+    hidden states, the fit (from ``start``'s heads, if given), saved to ``out``; within ``budget``
+    when given. ``measure``: time them on held-out prompts on this machine first (``heads_pay``;
+    in ``info["decode_speedup"]``)."""
     started = time.time()
     budget = budget or Budget(None)
-    data = answers_for(engine, work, questions, max_new, budget)
-    answered = len(data["answers"]), len(data["task_answers"])  # fewer than asked past a budget
-    prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
-    pairs = list(zip(prompts, data["answers"] + data["task_answers"]))
+    if history is None:
+        pairs = answered_pairs(answers_for(engine, work, questions, max_new, budget))
+    else:
+        pairs = history_pairs(engine, history)
     random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
     # the hidden states cost about what the fit does: each gets a little under half of what is left
     until = budget.until(0.45)
     rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads, until)
     fit_until = budget.until(0.85)
-    trained = fit(engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until)
+    trained = fit(
+        engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until, init=start
+    )
     trained.info["seconds"] = round(time.time() - started)
+    learned_from(trained, start, from_use=history is not None)
     if measure:
         heldout = [p for p, _ in pairs[held_out_from(len(rows)) : len(rows)]][:4]
-        trained.info["decode_speedup"] = heads_pay(engine, trained, heldout)
+        trained.info["decode_speedup"] = heads_pay(engine, trained, heldout, before=start)
     trained.save(out)
     return trained
+
+
+def answered_pairs(data: dict) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) of every answer ``answers_for`` gathered (fewer than asked past a
+    budget)."""
+    answered = len(data["answers"]), len(data["task_answers"])
+    prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
+    return list(zip(prompts, data["answers"] + data["task_answers"]))
+
+
+def history_pairs(engine: Engine, history: History) -> list[tuple[list[int], list[int]]]:
+    """(prompt tail, answer) of every generation ``history`` recorded that fits this model."""
+    vocab = engine.runner.model.get_input_embeddings().num_embeddings
+    pairs = [(p, a) for p, a in history.entries() if max(p + a) < vocab]
+    if len(pairs) < 2:
+        raise SelfSpecError(
+            f"{len(pairs)} generation(s) recorded in {history.path} to train draft heads on: use "
+            f"the model with `--learn` (selfspec generate or serve) first, or train on its own "
+            "answers without --from-history"
+        )
+    return pairs
+
+
+def learned_from(trained: DraftHeads, start: DraftHeads | None, from_use: bool) -> None:
+    """Answer tokens the heads learned from in all, and of those from use (``History``), counting
+    the heads they started from."""
+    before = start.info if start is not None else {}
+    rows = trained.info["rows"]
+    trained.info["learned_tokens"] = before.get("learned_tokens", before.get("rows", 0)) + rows
+    trained.info["learned_from_use"] = before.get("learned_from_use", 0) + (rows if from_use else 0)
 
 
 def decode_rate(engine: Engine, prompt: list[int], drafter, max_new: int) -> float:
@@ -377,15 +416,24 @@ def decode_rate(engine: Engine, prompt: list[int], drafter, max_new: int) -> flo
     return engine.generate(prompt, drafter, max_new_tokens=max_new).stats.decode_tokens_per_second
 
 
-def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_new: int = 96):
+def heads_pay(
+    engine: Engine,
+    heads: DraftHeads,
+    prompts: list[list[int]],
+    max_new: int = 96,
+    before: DraftHeads | None = None,
+):
     """Whether the heads pay on this machine: self-speculation's decoding speed with and without
-    them over plain decoding's, medians over held-out ``prompts`` (each method once per prompt,
-    in turn, after a warm-up); None if every plain generation ended at its first token."""
+    them (and with the heads they started from, ``before``) over plain decoding's, medians over
+    held-out ``prompts`` (each method once per prompt, in turn, after a warm-up); None if every
+    plain generation ended at its first token."""
     drafters = {
         "plain": lambda: None,
         "without": lambda: engine.self_drafter(heads=False),
         "with": lambda: engine.self_drafter(heads=heads),
     }
+    if before is not None:
+        drafters["before"] = lambda: engine.self_drafter(heads=before)
     for make in drafters.values():
         decode_rate(engine, prompts[0], make(), 16)
     rates: dict[str, list[float]] = {name: [] for name in drafters}
@@ -400,85 +448,6 @@ def heads_pay(engine: Engine, heads: DraftHeads, prompts: list[list[int]], max_n
         return None
     return {
         name: round(statistics.median(rates[name][i] / rates["plain"][i] for i in timed), 3)
-        for name in ("without", "with")
+        for name in drafters
+        if name != "plain"
     }
-
-
-# -- `selfspec train-heads` -----------------------------------------------------------------------
-def add_arguments(parser) -> None:
-    from selfspec.cliargs import add_model_arguments
-
-    add_model_arguments(parser)
-    parser.add_argument(
-        "--questions", type=int, default=400, help="questions the model writes and answers (400)"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=192, help="tokens per answer at most (192)"
-    )
-    parser.add_argument("--heads", type=int, default=2, help="heads to train, token 2, 3, ... (2)")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the answers (3)")
-    parser.add_argument("--layers", type=int, choices=(1, 2), default=2, help="layers per head (2)")
-    parser.add_argument(
-        "--soft",
-        type=float,
-        default=0.5,
-        help="share of the loss against the model's own distribution of each token, the rest "
-        "against the token itself (0.5)",
-    )
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        metavar="MINUTES",
-        help="stop gathering answers and training in time to end within MINUTES; a rerun with "
-        "the same --out resumes from the answers gathered (default: no limit)",
-    )
-    parser.add_argument(
-        "--no-measure",
-        action="store_true",
-        help="skip timing the heads on held-out prompts at the end (about a minute)",
-    )
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="heads file to write (default: the user's heads for the model, which "
-        "`selfspec generate`, `bench` and `serve` then use)",
-    )
-
-
-def run(args) -> int:
-    from selfspec.cliargs import check_at_least, load_engine
-    from selfspec.paths import user_heads_path
-
-    for flag, value in (
-        ("--questions", args.questions),
-        ("--max-new-tokens", args.max_new_tokens),
-        ("--heads", args.heads),
-        ("--epochs", args.epochs),
-    ):
-        check_at_least(flag, value, 1)
-    if args.budget is not None and not args.budget > 0:
-        raise SelfSpecError(f"--budget must be a positive number of minutes, not {args.budget}")
-    if not 0 <= args.soft <= 1:
-        raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
-    engine = load_engine(args)
-    out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
-    work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
-    heads = train_heads(
-        engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
-        args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
-    )  # fmt: skip
-    info = heads.info
-    print(
-        f"wrote {out}: {len(heads)} head(s) trained on {info['rows']} answer tokens of "
-        f"{info['answers']} answers in {info['seconds']} s; held-out first guesses right: "
-        + ", ".join(f"{t:.1%}" for t in info["heldout_top1_by_head"])
-    )
-    speedup = info.get("decode_speedup")
-    if speedup:
-        pays = "they pay here" if speedup["with"] > speedup["without"] else "they do not pay here"
-        print(
-            f"on held-out prompts, self-speculation decoded at {speedup['with']:.2f}x plain "
-            f"decoding with them and {speedup['without']:.2f}x without: {pays}"
-        )
-    return 0

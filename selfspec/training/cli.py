@@ -1,0 +1,147 @@
+"""`selfspec train-heads`: draft heads for a model, trained on its own answers (the model writes
+questions and answers them) or, with ``--from-history``, on what it was used for (``--learn``).
+The training itself is ``selfspec.training.heads``'s."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from selfspec.errors import SelfSpecError
+from selfspec.training.budget import Budget
+from selfspec.training.heads import train_heads
+from selfspec.training.history import History
+
+
+def add_arguments(parser) -> None:
+    from selfspec.cliargs import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--questions", type=int, default=400, help="questions the model writes and answers (400)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=192, help="tokens per answer at most (192)"
+    )
+    parser.add_argument("--heads", type=int, default=2, help="heads to train, token 2, 3, ... (2)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over the answers (3)")
+    parser.add_argument("--layers", type=int, choices=(1, 2), default=2, help="layers per head (2)")
+    parser.add_argument(
+        "--soft",
+        type=float,
+        default=0.5,
+        help="share of the loss against the model's own distribution of each token, the rest "
+        "against the token itself (0.5)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="stop gathering answers and training in time to end within MINUTES; a rerun with "
+        "the same --out resumes from the answers gathered (default: no limit)",
+    )
+    parser.add_argument(
+        "--from-history",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="train on what the model was used for (recorded by `selfspec generate --learn` and "
+        "`selfspec serve --learn`, or the history FILE) instead of answers to questions it "
+        "writes, starting from the heads it has",
+    )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="with --from-history: start from zeros, not from the model's current heads",
+    )
+    parser.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip timing the heads on held-out prompts at the end (about a minute)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="heads file to write (default: the user's heads for the model, which "
+        "`selfspec generate`, `bench` and `serve` then use)",
+    )
+
+
+def run(args) -> int:
+    from selfspec.cliargs import check_at_least, load_engine
+    from selfspec.paths import user_heads_path
+
+    for flag, value in (
+        ("--questions", args.questions),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--heads", args.heads),
+        ("--epochs", args.epochs),
+    ):
+        check_at_least(flag, value, 1)
+    if args.budget is not None and not args.budget > 0:
+        raise SelfSpecError(f"--budget must be a positive number of minutes, not {args.budget}")
+    if not 0 <= args.soft <= 1:
+        raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
+    if args.fresh and args.from_history is None:
+        raise SelfSpecError("--fresh goes with --from-history (other training starts from zeros)")
+    engine = load_engine(args)
+    history = None
+    if args.from_history is not None:
+        history = History(Path(args.from_history)) if args.from_history else None
+        history = history or History.for_model(engine.loaded.name)
+    if history is not None and not history.path.is_file():
+        raise SelfSpecError(
+            f"no history for {engine.loaded.name} at {history.path}: use the model with --learn "
+            "(selfspec generate or serve) first"
+        )
+    start = None if args.fresh or history is None else starting_heads(engine, args)
+    out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
+    work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
+    heads = train_heads(
+        engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
+        args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
+        history=history, start=start,
+    )  # fmt: skip
+    print(report(out, heads))
+    return 0
+
+
+def starting_heads(engine, args):
+    """The model's current heads, where heads of ``args``' shape can start from them."""
+    heads = engine.default_heads()
+    if heads is None:
+        return None
+    if len(heads) < args.heads or (args.layers == 1 and heads.layers != 1):
+        print(
+            f"the model's heads ({len(heads)} of {heads.layers} layer(s)) cannot start "
+            f"{args.heads} head(s) of {args.layers}: training from zeros",
+            file=sys.stderr,
+        )
+        return None
+    return heads
+
+
+def report(out: Path, heads) -> str:
+    info = heads.info
+    lines = [
+        f"wrote {out}: {len(heads)} head(s) trained on {info['rows']} answer tokens of "
+        f"{info['answers']} answers in {info['seconds']} s ({info['learned_tokens']} in all, "
+        f"{info['learned_from_use']} from use); held-out first guesses right: "
+        + ", ".join(f"{t:.1%}" for t in info["heldout_top1_by_head"])
+    ]
+    speedup = info.get("decode_speedup")
+    if speedup:
+        best = max(speedup["without"], speedup.get("before", 0))
+        pays = "they pay here" if speedup["with"] > best else "they do not pay here"
+        before = (
+            f", {speedup['before']:.2f}x with the heads they started from"
+            if "before" in speedup
+            else ""
+        )
+        lines.append(
+            f"on held-out prompts, self-speculation decoded at {speedup['with']:.2f}x plain "
+            f"decoding with them{before} and {speedup['without']:.2f}x without: {pays}"
+        )
+    return "\n".join(lines)

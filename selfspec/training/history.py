@@ -1,0 +1,124 @@
+"""What a model was used for, kept so that its draft heads can learn from it.
+
+With ``--learn`` (``selfspec generate``, ``selfspec serve``) every finished generation appends one
+line to the model's history (``~/.cache/selfspec/history/<model>.jsonl``, or in the folder
+``$SELFSPEC_HISTORY``): the end of its prompt
+and the answer's token ids. ``selfspec train-heads --from-history`` trains the model's heads on
+those answers, starting from the heads it has, so a model gets heads, and better ones, by being
+used. Nothing else reads the file; it stays on this machine and holds the prompts' ids, so it is
+kept only when asked for.
+
+The file is bounded: past ``max_tokens`` answer tokens the oldest lines are dropped (the file is
+rewritten atomically). A line cut short by a crash is skipped when read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from selfspec.errors import SelfSpecError
+from selfspec.fileio import atomic_write_text
+from selfspec.paths import cache_dir
+
+PROMPT_TAIL = 512  # the prompt's last ids kept: context enough for the hidden states at the answer
+MAX_TOKENS = 250_000  # answer tokens kept per model (a few MB); heads gain little past this
+KEEP_AFTER_TRIM = 0.75  # a trim keeps this share of max_tokens, so trims are rare
+
+
+HISTORY_ENV = "SELFSPEC_HISTORY"  # the folder the histories are kept in, if not the cache's
+
+
+def history_path(model_name: str) -> Path:
+    folder = os.environ.get(HISTORY_ENV)
+    return (Path(folder) if folder else cache_dir() / "history") / f"{model_name}.jsonl"
+
+
+class History:
+    """One model's record of use: ``record`` after each generation, ``entries`` to train on."""
+
+    def __init__(self, path: Path, max_tokens: int = MAX_TOKENS):
+        self.path = Path(path)
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()  # the server's threads; other processes: a lock file
+        self._tokens: int | None = None
+
+    @classmethod
+    def for_model(cls, model_name: str, max_tokens: int = MAX_TOKENS) -> History:
+        return cls(history_path(model_name), max_tokens)
+
+    def record(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
+        """Append one generation (answers under two tokens teach the heads nothing)."""
+        if len(answer_ids) < 2:
+            return
+        entry = {"prompt": list(prompt_ids[-PROMPT_TAIL:]), "answer": list(answer_ids)}
+        line = json.dumps(entry, separators=(",", ":")) + "\n"
+        try:
+            with self._locked():
+                with open(self.path, "a+b") as fh:
+                    if fh.tell():
+                        fh.seek(-1, os.SEEK_END)
+                        if fh.read(1) != b"\n":
+                            line = "\n" + line  # after a line a crash cut short, not glued to it
+                    fh.write(line.encode())  # one write of a whole line, at the end (O_APPEND)
+                known = self._tokens if self._tokens is not None else self._count()
+                self._tokens = known + len(answer_ids)
+                if self._tokens > self.max_tokens:
+                    self._trim()
+        except OSError as exc:
+            raise SelfSpecError(
+                f"cannot record use in {self.path}: {exc.strerror or exc}. Free some disk space "
+                "or make the folder writable, or leave out --learn"
+            ) from None
+
+    def entries(self) -> list[tuple[list[int], list[int]]]:
+        """(prompt tail, answer) per generation recorded, oldest first."""
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+                prompt, answer = entry["prompt"], entry["answer"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line a crash cut short
+            if _ids(prompt) and _ids(answer) and len(answer) >= 2:
+                out.append((prompt, answer))
+        return out
+
+    def tokens(self) -> int:
+        """Answer tokens recorded."""
+        return self._count()
+
+    def _count(self) -> int:
+        return sum(len(answer) for _, answer in self.entries())
+
+    def _trim(self) -> None:
+        """Keep the newest entries, up to ``KEEP_AFTER_TRIM`` of ``max_tokens`` answer tokens."""
+        kept, total = [], 0
+        for prompt, answer in reversed(self.entries()):
+            if total + len(answer) > KEEP_AFTER_TRIM * self.max_tokens:
+                break
+            kept.append({"prompt": prompt, "answer": answer})
+            total += len(answer)
+        text = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in reversed(kept))
+        atomic_write_text(self.path, text)
+        self._tokens = total
+
+    @contextmanager
+    def _locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock, open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and i >= 0 for i in value)
