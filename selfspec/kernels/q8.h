@@ -314,6 +314,17 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
 #elif defined(__AVX2__)
 constexpr bool kHaveVnni = false;
 
+// Eight lanes of float16 / int8 / uint8 as float32, whatever width ``vec`` has in this build (on
+// AVX-512 CPUs without VNNI these tiles run with a 16-lane vec).
+inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 neg8(__m256 a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+
 // AVX2 has no byte dot product; vpmaddubsw (u8 x s8 pairs, saturating to int16) and vpmaddwd
 // do the work of one vpdpbusd on half the width, as in llama.cpp. The integer sums are exact
 // (no pair can saturate: nibbles are at most 15, and byte weights go through the sign trick,

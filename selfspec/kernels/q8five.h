@@ -151,13 +151,13 @@ void q8five_tile_avx2(const int32_t* quads, const float* d_t, const float* ds32,
     const int64_t gi = g0 / 32;
     if (gi % L::kSuperGroups == 0)
       for (int h = 0; h < 2; ++h) {
-        d_super[h] = f16_to_vec(L::super(panel, gi) + 16 * h);
-        dmin_super[h] = f16_to_vec(L::super(panel, gi) + 2 * kPanel + 16 * h);
+        d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
+        dmin_super[h] = f16x8(L::super(panel, gi) + 2 * kPanel + 16 * h);
       }
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], u8_to_vec(rec)), _mm256_mul_ps(d_super[1], u8_to_vec(rec + 8))};
-    const __m256 offset[2] = {vneg(_mm256_mul_ps(dmin_super[0], u8_to_vec(rec + kPanel))),
-                              vneg(_mm256_mul_ps(dmin_super[1], u8_to_vec(rec + kPanel + 8)))};
+    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], u8x8(rec)), _mm256_mul_ps(d_super[1], u8x8(rec + 8))};
+    const __m256 offset[2] = {neg8(_mm256_mul_ps(dmin_super[0], u8x8(rec + kPanel))),
+                              neg8(_mm256_mul_ps(dmin_super[1], u8x8(rec + kPanel + 8)))};
     const uint8_t* q = rec + L::kGroupHeader;
     const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));

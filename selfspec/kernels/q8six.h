@@ -147,9 +147,9 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
   for (int64_t g0 = 0; g0 < K; g0 += 16) {
     const int64_t gi = g0 / 16;
     if (gi % L::kSuperGroups == 0)
-      for (int h = 0; h < 2; ++h) d_super[h] = f16_to_vec(L::super(panel, gi) + 16 * h);
+      for (int h = 0; h < 2; ++h) d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8_to_vec(rec)), _mm256_mul_ps(d_super[1], i8_to_vec(rec + 8))};
+    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8x8(rec)), _mm256_mul_ps(d_super[1], i8x8(rec + 8))};
     const uint8_t* q = rec + L::kGroupHeader;
     const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
