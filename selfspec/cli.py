@@ -280,9 +280,7 @@ def _learn(engine, prompt_ids: list[int], answer_ids: list[int]) -> int:
     """Record the generation in the model's history; the answer tokens it holds now."""
     from selfspec.training.history import History
 
-    history = History.for_model(engine.loaded.name)
-    history.record(prompt_ids, answer_ids)
-    return history.tokens()
+    return History.for_model(engine.loaded.name).record(prompt_ids, answer_ids)
 
 
 # -------------------------------------------------------------------------------------- main

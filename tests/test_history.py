@@ -31,9 +31,10 @@ PROMPTS = [
 
 def test_the_history_is_bounded_and_skips_a_line_a_crash_cut_short(tmp_path):
     history = History(tmp_path / "m.jsonl", max_tokens=100)
-    for i in range(30):
-        history.record(list(range(PROMPT_TAIL + 88)), [i, i + 1, i + 2, i + 3, i + 4])
-    history.record([1, 2], [3])  # one token teaches nothing: not kept
+    held = [history.record(list(range(PROMPT_TAIL + 88)), [i, i + 1, i + 2, i + 3, i + 4])
+            for i in range(30)]  # fmt: skip
+    assert held[:3] == [5, 10, 15]  # what it holds after each record, the first counted once
+    assert history.record([1, 2], [3]) == history.tokens()  # one token teaches nothing: not kept
     entries = history.entries()
     assert 50 <= history.tokens() <= 100  # trimmed to the newest, never past the bound
     assert entries[-1] == (list(range(88, PROMPT_TAIL + 88)), [29, 30, 31, 32, 33])

@@ -51,24 +51,26 @@ class History:
     def for_model(cls, model_name: str, max_tokens: int = MAX_TOKENS) -> History:
         return cls(history_path(model_name), max_tokens)
 
-    def record(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
-        """Append one generation (answers under two tokens teach the heads nothing)."""
+    def record(self, prompt_ids: list[int], answer_ids: list[int]) -> int:
+        """Append one generation (answers under two tokens teach the heads nothing); the answer
+        tokens the history holds after it."""
         if len(answer_ids) < 2:
-            return
+            return self._tokens if self._tokens is not None else self._count()
         entry = {"prompt": list(prompt_ids[-PROMPT_TAIL:]), "answer": list(answer_ids)}
         line = json.dumps(entry, separators=(",", ":")) + "\n"
         try:
             with self._locked():
+                known = self._tokens if self._tokens is not None else self._count()  # before it
                 with open(self.path, "a+b") as fh:
                     if fh.tell():
                         fh.seek(-1, os.SEEK_END)
                         if fh.read(1) != b"\n":
                             line = "\n" + line  # after a line a crash cut short, not glued to it
                     fh.write(line.encode())  # one write of a whole line, at the end (O_APPEND)
-                known = self._tokens if self._tokens is not None else self._count()
                 self._tokens = known + len(answer_ids)
                 if self._tokens > self.max_tokens:
                     self._trim()
+                return self._tokens
         except OSError as exc:
             raise SelfSpecError(
                 f"cannot record use in {self.path}: {exc.strerror or exc}. Free some disk space "
