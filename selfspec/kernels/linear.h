@@ -220,23 +220,30 @@ struct SuperBlocks {
   }
 };
 
+// Superblocks headed by half d[16], each group by int8 sc[16]: scale = d * sc, the float32
+// product (exact: d has 11 significant bits, sc 6).
+template <int64_t GROUP_BYTES, int64_t GROUPS>
+struct ScaledSuperBlocks : SuperBlocks<2 * kPanel, GROUP_BYTES, GROUPS> {
+  using Base = SuperBlocks<2 * kPanel, GROUP_BYTES, GROUPS>;
+  // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale.
+  static vec scale(const uint8_t* panel, int64_t gi, int v) {
+    return vmul(f16_to_vec(Base::super(panel, gi) + 2 * v * kVec), i8_to_vec(Base::group(panel, gi) + v * kVec));
+  }
+  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
+    for (int v = 0; v < kVecPerPanel; ++v) vstore(out + v * kVec, scale(panel, gi, v));
+  }
+};
+
 // kSixBits (G = 16; Q6_K in mode gguf-q8, VNNI and AVX2 builds): the file's 6.56 bits a weight
 // instead of kBytes' 10. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 128 bytes of low
 // nibbles and 64 bytes of high bit pairs of u = q + 32 in [0, 63]. Step t of a group (k = 4t..4t+3)
 // is lane j's bytes 4j..4j+3 of a 64-byte vector, as in the q8 arrangement: its low nibbles are in
 // low-nibble vector t / 2 (the low nibbles for even t, the high ones for odd t), its high bits are
 // bits 2t..2t+1 of the high-pair vector. scale = d * sc, the float32 product (kBytes' float).
-struct SixBitLayout : SuperBlocks<2 * kPanel, kPanel + 12 * kPanel, 16> {
+struct SixBitLayout : ScaledSuperBlocks<kPanel + 12 * kPanel, 16> {
   static constexpr int64_t kGroupHeader = kPanel;
   static constexpr int64_t kLowBytes = 8 * kPanel;
 
-  // Lanes [v * kVec, (v + 1) * kVec) of group gi's scale, d * sc (the float32 product).
-  static vec scale(const uint8_t* panel, int64_t gi, int v) {
-    return vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec));
-  }
-  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
-    for (int v = 0; v < kVecPerPanel; ++v) vstore(out + v * kVec, scale(panel, gi, v));
-  }
   // u of lane j, k = kk of group record rec (past its header)
   static int32_t u(const uint8_t* q, int j, int kk) {
     const int t = kk / 4, b = j * 4 + kk % 4;
@@ -250,13 +257,8 @@ struct SixBitLayout : SuperBlocks<2 * kPanel, kPanel + 12 * kPanel, 16> {
 // lanes x 4 k: vector t holds k = 4t..4t+3 in its low nibbles and k = 16 + 4t.. in its high ones,
 // each nibble an index into ggml's 16 IQ4 levels (q8lut.h). scale = d * sc, the float32 product
 // (exact: the byte layout's float).
-struct LutLayout : SuperBlocks<2 * kPanel, kPanel + 16 * kPanel, 8> {
+struct LutLayout : ScaledSuperBlocks<kPanel + 16 * kPanel, 8> {
   static constexpr int64_t kGroupHeader = kPanel;
-
-  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
-    for (int v = 0; v < kVecPerPanel; ++v)
-      vstore(out + v * kVec, vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), i8_to_vec(group(panel, gi) + v * kVec)));
-  }
 };
 
 // kFiveBits (G = 32; Q5_K in mode gguf-q8): the file's 5.5 bits a weight as 5.63 instead of the

@@ -86,6 +86,17 @@ def _lanes_last(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(panels, blocks, -1)
 
 
+def _superblocks(groups: np.ndarray, *halves: np.ndarray) -> torch.Tensor:
+    """Panels of superblocks: per 256 k, each of ``halves`` (float16 [N, K // 256], its 16 lanes
+    side by side), then that superblock's group records (``groups`` [P, groups, bytes])."""
+    panels, supers = groups.shape[0], halves[0].shape[1]
+    record = np.concatenate(
+        [*(_lanes_last(h).view(np.uint8) for h in halves), groups.reshape(panels, supers, -1)],
+        axis=2,
+    )
+    return torch.from_numpy(record.reshape(panels, -1))
+
+
 def has_six_bits(decoded: Decoded) -> bool:
     """Whether ``decoded`` is Q6_K, which ``pack_six_bits`` lays out."""
     return decoded.format == BYTES and decoded.group == 16 and decoded.factors is not None
@@ -102,14 +113,8 @@ def pack_six_bits(decoded: Decoded) -> torch.Tensor:
     low = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)
     high = sum(((u[:, :, t] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
     d, sc = decoded.factors
-    record = np.concatenate(
-        [_lanes_last(sc).view(np.uint8), low.reshape(panels, groups, -1), high], axis=2
-    )
-    supers = k // 256
-    record = np.concatenate(
-        [_lanes_last(d).view(np.uint8), record.reshape(panels, supers, -1)], axis=2
-    )
-    return torch.from_numpy(record.reshape(panels, -1))
+    groups_record = [_lanes_last(sc).view(np.uint8), low.reshape(panels, groups, -1), high]
+    return _superblocks(np.concatenate(groups_record, axis=2), d)
 
 
 def has_lut_nibbles(decoded: Decoded) -> bool:
@@ -120,66 +125,37 @@ def has_lut_nibbles(decoded: Decoded) -> bool:
 def pack_lut_nibbles(decoded: Decoded) -> torch.Tensor:
     """IQ4_XS in the kernel's LUT_NIBBLES layout (kernels/linear.h, LutLayout): per 256 k, d; per
     group of 32 k, sc and each level's 4-bit index in gguf-q8's nibble arrangement."""
-    n, k = decoded.q.shape
-    panels = n // PANEL
     inverse = np.zeros(256, np.uint8)  # level (as its byte) -> its index: a byte a weight
     inverse[decoded.levels.view(np.uint8)] = np.arange(len(decoded.levels), dtype=np.uint8)
     index = inverse[decoded.q.view(np.uint8)]
     q = _q_vnni_arrangement(Decoded(index, None, None, 32, NIBBLES))
     d, sc = decoded.factors
-    record = np.concatenate([_lanes_last(sc).view(np.uint8), q], axis=2)
-    supers = k // 256
-    record = np.concatenate(
-        [_lanes_last(d).view(np.uint8), record.reshape(panels, supers, -1)], axis=2
-    )
-    return torch.from_numpy(record.reshape(panels, -1))
+    return _superblocks(np.concatenate([_lanes_last(sc).view(np.uint8), q], axis=2), d)
 
 
 def pack_five_bits(decoded: Decoded) -> torch.Tensor:
     """Q5_K in the kernel's FIVE_BITS layout (kernels/linear.h, FiveBitLayout): per 256 k, d and
     dmin; per group of 32 k, sc, m, the low nibbles in gguf-q8's nibble arrangement and the high
     bits (bit t of byte b: that of byte b's low nibble in vector t; bit 4 + t: its high one's)."""
-    n, k = decoded.q.shape
-    panels, groups = n // PANEL, k // 32
+    panels, groups = decoded.q.shape[0] // PANEL, decoded.q.shape[1] // 32
     low = _q_vnni_arrangement(Decoded(decoded.q & 15, None, None, 32, NIBBLES))
     high = (decoded.q >> 4).reshape(panels, PANEL, groups, 2, 4, 4)  # lane, group, half, t, k % 4
     high = high.transpose(0, 2, 1, 5, 3, 4)  # [P, group, lane, k % 4, half, t]
     shifts = (np.arange(4, dtype=np.uint8) + np.array([[0], [4]], np.uint8)).astype(np.uint8)
     high = (high << shifts).sum(axis=(4, 5), dtype=np.uint8).reshape(panels, groups, 64)
     d, dmin, sc, m = decoded.factors
-    record = np.concatenate([_lanes_last(sc), _lanes_last(m), low, high], axis=2)
-    supers = k // 256
-    record = np.concatenate(
-        [
-            _lanes_last(d).view(np.uint8),
-            _lanes_last(dmin).view(np.uint8),
-            record.reshape(panels, supers, -1),
-        ],
-        axis=2,
-    )
-    return torch.from_numpy(record.reshape(panels, -1))
+    groups_record = np.concatenate([_lanes_last(sc), _lanes_last(m), low, high], axis=2)
+    return _superblocks(groups_record, d, dmin)
 
 
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
     """[N, K] -> [N / 16, bytes per panel] uint8, the kernel's panel layout (``vnni``: mode
     gguf-q8's arrangement of each group's integers; headers and sizes are the same)."""
-    n, k = decoded.q.shape
-    panels = n // PANEL
-
+    panels = decoded.q.shape[0] // PANEL
     q = _q_vnni_arrangement(decoded) if vnni else _lanes_last(_q_float_arrangement(decoded))
     if decoded.format == SUPER_NIBBLES:  # per 256 k: d, dmin; per group: sc, m, q
         d, dmin, sc, m = decoded.factors
-        groups_record = np.concatenate([_lanes_last(sc), _lanes_last(m), q], axis=2)
-        supers = k // 256
-        record = np.concatenate(
-            [
-                _lanes_last(d).view(np.uint8),
-                _lanes_last(dmin).view(np.uint8),
-                groups_record.reshape(panels, supers, -1),
-            ],
-            axis=2,
-        )
-        return torch.from_numpy(record.reshape(panels, -1))
+        return _superblocks(np.concatenate([_lanes_last(sc), _lanes_last(m), q], axis=2), d, dmin)
     header = [_lanes_last(decoded.scale).view(np.uint8)]
     if decoded.format == NIBBLES:
         header.append(_lanes_last(decoded.offset).view(np.uint8))
