@@ -162,32 +162,56 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
 
 
+# 4-bit indices held as nibble panels in gguf-q8: (format, bits a weight there, in the byte layout)
+NIBBLE_PANELS = {
+    "IQ4_XS": (quantized.LUT_NIBBLES, 4.3125, 9),
+    "IQ4_NL": (quantized.HALF_LUT_NIBBLES, 4.5, 9),
+    "Q4_0": (quantized.HALF_NIBBLES, 4.5, 9),
+}
+
+
+def as_bytes(decoded: blocks.Decoded) -> blocks.Decoded:
+    """The byte layout of the same weights: each level as an int8 and its float32 scale."""
+    if decoded.format == blocks.BYTES:
+        return decoded
+    levels = decoded.levels[decoded.q]  # Q4_0: q - 8
+    return blocks.Decoded(levels, decoded.scale, None, decoded.group, blocks.BYTES)
+
+
 @needs_kernel
-def test_iq4_xs_nibble_panels_give_the_byte_layout_s_bits():
-    """IQ4_XS in gguf-q8 as nibble panels of indices into its 16 levels (where the build has their
-    tiles): about the file's bits a weight instead of 9, the same integers, so every row's bits
-    equal the byte layout's, tiles and scalar reference alike, and Q8Linear's, which holds them."""
+@pytest.mark.parametrize("type_name", sorted(NIBBLE_PANELS))
+def test_nibble_panels_of_4_bit_indices_give_the_byte_layout_s_bits(type_name):
+    """IQ4_XS, IQ4_NL and Q4_0 in gguf-q8 as nibble panels of indices into their 16 levels (where
+    the build has their tiles): about the file's bits a weight instead of 9, the same integers, so
+    every row's bits equal the byte layout's, tiles and scalar reference alike, and Q8Linear's,
+    which holds them."""
     kernel = load_kernel()
-    rows, columns, type_name = 192, 1536, "IQ4_XS"
-    decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=13), type_name, rows)
-    assert quantized.has_lut_nibbles(decoded) and not quantized.has_six_bits(decoded)
-    nl = blocks.decode(random_blocks("IQ4_NL", 16, 256, seed=1), "IQ4_NL", 16)
-    assert not quantized.has_lut_nibbles(nl)  # a float16 scale per 32: the byte layout
-    wq = quantized.pack(decoded, vnni=True)
-    lut = quantized.pack_lut_nibbles(decoded)
-    assert lut.shape[1] == kernel.quant_panel_bytes(quantized.LUT_NIBBLES, 32, columns)
-    assert lut.shape[1] * 8 / (PANEL * columns) == pytest.approx(4.3125)  # the file's 4.25
-    assert wq.shape[1] * 8 / (PANEL * columns) == 9
+    format, bits, byte_bits = NIBBLE_PANELS[type_name]
+    rows, columns = 192, 1536
+    raw = random_blocks(type_name, rows, columns, seed=13 + len(type_name))
+    decoded = blocks.decode(raw, type_name, rows)
+    assert quantized.has_lut_nibbles(decoded) == (type_name == "IQ4_XS")
+    assert quantized.has_half_nibbles(decoded) == (type_name != "IQ4_XS")
+    assert not quantized.has_six_bits(decoded)
+    wq = quantized.pack(as_bytes(decoded), vnni=True)
+    if type_name == "IQ4_XS":
+        nibbles = quantized.pack_lut_nibbles(decoded)
+    else:
+        nibbles, packed_format = quantized.pack_half_nibbles(decoded)
+        assert packed_format == format
+    assert nibbles.shape[1] == kernel.quant_panel_bytes(format, 32, columns)
+    assert nibbles.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
+    assert wq.shape[1] * 8 / (PANEL * columns) == byte_bits
     bias = torch.randn(rows)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[2, :32] = 0
     module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
-    assert (module.format == quantized.LUT_NIBBLES) == kernel.q8_lut_nibbles()
+    assert (module.format == format) == kernel.q8_lut_nibbles()
     for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
         expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
         for reference in (False, True):
-            got = kernel.q8_linear(x[:m], lut, quantized.LUT_NIBBLES, 32, bias, reference)
+            got = kernel.q8_linear(x[:m], nibbles, format, 32, bias, reference)
             assert torch.equal(got, expected), (m, reference)
         assert torch.equal(module(x[:m]), expected)
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix

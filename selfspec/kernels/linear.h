@@ -129,6 +129,13 @@ constexpr int kSuperNibbles = 2;
 constexpr int kSixBits = 3;  // mode gguf-q8 only: see SixBitLayout
 constexpr int kLutNibbles = 4;  // mode gguf-q8 only: see LutLayout
 constexpr int kFiveBits = 5;    // mode gguf-q8 only: see FiveBitLayout
+constexpr int kHalfNibbles = 6;     // mode gguf-q8 only: see HalfLutLayout (Q4_0)
+constexpr int kHalfLutNibbles = 7;  // mode gguf-q8 only: see HalfLutLayout (IQ4_NL)
+
+// Formats mode gguf-q8 alone holds (their own tiles, no float tiles)
+constexpr bool q8_only_format(int64_t format) {
+  return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles;
+}
 
 #ifndef SELFSPEC_QPREFETCH
 #define SELFSPEC_QPREFETCH 4096
@@ -198,6 +205,15 @@ struct Layout {
   };
 };
 
+// rec, asking for the BYTES bytes kQuantPrefetch ahead of it in its panel's stream (as
+// Layout::group_prefetching).
+template <int64_t BYTES>
+inline const uint8_t* prefetching(const uint8_t* rec) {
+  for (int64_t line = 0; line < BYTES; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+  return rec;
+}
+
 // Panels of superblocks (256 k): a header of SUPER_HEADER bytes, then GROUPS groups of GROUP_BYTES
 // (the layouts below add what a group holds).
 template <int64_t SUPER_HEADER, int64_t GROUP_BYTES, int64_t GROUPS>
@@ -213,10 +229,7 @@ struct SuperBlocks {
     return super(panel, gi) + kSuperHeader + gi % kSuperGroups * kGroupBytes;
   }
   static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
-    const uint8_t* rec = group(panel, gi);
-    for (int64_t line = 0; line < kGroupBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
-    return rec;
+    return prefetching<kGroupBytes>(group(panel, gi));
   }
 };
 
@@ -258,7 +271,27 @@ struct SixBitLayout : ScaledSuperBlocks<kPanel + 12 * kPanel, 16> {
 // each nibble an index into ggml's 16 IQ4 levels (q8lut.h). scale = d * sc, the float32 product
 // (exact: the byte layout's float).
 struct LutLayout : ScaledSuperBlocks<kPanel + 16 * kPanel, 8> {
+  static constexpr bool kHalfScales = false;
   static constexpr int64_t kGroupHeader = kPanel;
+};
+
+// kHalfNibbles (Q4_0) and kHalfLutNibbles (IQ4_NL), G = 32, mode gguf-q8: the file's 4.5 bits a
+// weight as 4.5 instead of 6 (Q4_0 as kNibbles) or 9 (IQ4_NL as kBytes). Per group of 32 k: half
+// d[16], then kLutNibbles' 4 vectors of nibbles, each an index into the format's 16 levels
+// (q8lut.h: Q4_0's q - 8, IQ4_NL's ggml levels). scale = d (the byte layout's float, exactly).
+struct HalfLutLayout {
+  static constexpr bool kHalfScales = true;
+  static constexpr int64_t kGroupHeader = 2 * kPanel;
+  static constexpr int64_t kGroupBytes = kGroupHeader + 16 * kPanel;
+
+  static int64_t panel_bytes(int64_t K) { return K / 32 * kGroupBytes; }
+  static const uint8_t* group(const uint8_t* panel, int64_t gi) { return panel + gi * kGroupBytes; }
+  static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
+    return prefetching<kGroupBytes>(group(panel, gi));
+  }
+  static void scale_array(const uint8_t* panel, int64_t gi, float* out) {
+    for (int v = 0; v < kVecPerPanel; ++v) vstore(out + v * kVec, f16_to_vec(group(panel, gi) + 2 * v * kVec));
+  }
 };
 
 // kFiveBits (G = 32; Q5_K in mode gguf-q8): the file's 5.5 bits a weight as 5.63 instead of the
@@ -573,7 +606,7 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
-  TORCH_CHECK(format != kLutNibbles && format != kFiveBits, "IQ4_XS and Q5_K panels have q8 tiles only");
+  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0 and IQ4_NL panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});

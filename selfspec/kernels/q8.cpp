@@ -13,7 +13,9 @@ Q8Job q8_job(const QuantizedRows& a, const at::Tensor& wq, int64_t format, int64
               "x has ", a.K, " features, which does not match the quantized weight");
   y = at::empty({a.M, N}, at::dtype(at::kFloat));
   Q8Job::UnitFn unit = format == kSixBits      ? &q8six_run_unit
-                       : format == kLutNibbles ? &q8lut_run_unit
+                       : format == kLutNibbles ? &q8lut_run_unit<Iq4XsNibbles>
+                       : format == kHalfNibbles ? &q8lut_run_unit<Q4_0Nibbles>
+                       : format == kHalfLutNibbles ? &q8lut_run_unit<Iq4NlNibbles>
                        : format == kFiveBits   ? &q8five_run_unit
                                                : with_format(format, group, [](auto f, auto g) {
                                                    return static_cast<Q8Job::UnitFn>(
@@ -58,8 +60,8 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
 bool q8_vectorized() { return kHaveQ8Vector; }
 // Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the VNNI or AVX2 tiles).
 bool q8_six_bits() { return kHaveSixBitTiles; }
-// Whether mode gguf-q8 holds IQ4_XS as nibble panels in this build (the VNNI or AVX2
-// tiles; the scalar reference alone would be slower than the byte layout).
+// Whether mode gguf-q8 holds IQ4_XS, Q4_0 and IQ4_NL as nibble panels in this build (the VNNI or
+// AVX2 tiles; the scalar reference alone would be slower than the byte layout).
 bool q8_lut_nibbles() { return kHaveLutTiles; }
 // Whether mode gguf-q8 holds Q5_K as five-bit panels in this build (else as Q8_0).
 bool q8_five_bits() { return kHaveFiveBitTiles; }

@@ -1,27 +1,39 @@
 #pragma once
 
-// Speed mode gguf-q8, IQ4_XS as nibble panels (LutLayout, linear.h): the file's 4-bit indices into
-// ggml's 16 levels (kvalues_iq4nl) and its scales, 4.31 bits a weight instead of the byte
-// layout's 9. Each tile looks the levels up in registers (one byte shuffle per vector)
-// and then multiplies as the byte layout does: the same integers, so the same bits as the byte
-// layout's tiles and the scalar reference.
+// Speed mode gguf-q8, 4-bit indices into 16 levels as nibble panels: IQ4_XS (LutLayout, linear.h:
+// 4.31 bits a weight instead of the byte layout's 9), Q4_0 and IQ4_NL (HalfLutLayout: 4.5 instead
+// of 6 and 9). Each tile looks the levels up in registers (one byte shuffle per vector) and then
+// multiplies as the byte layout does: the same integers, so the same bits as the byte layout's
+// tiles and the scalar reference.
 
 #include "q8.h"
 
 namespace selfspec {
 
-// ggml's kvalues_iq4nl, and the same plus 128 as uint8 (the byte layout's q + 128).
+// ggml's kvalues_iq4nl (IQ4_XS, IQ4_NL), and Q4_0's q - 8.
 constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kQ4Levels[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 
-inline int32_t lut_u(const uint8_t* q, int j, int kk) {
-  const uint8_t byte = q[(kk % 16) / 4 * 64 + j * 4 + kk % 4];
-  return kIq4Levels[kk < 16 ? (byte & 15) : (byte >> 4)] + 128;
-}
+// A nibble panel layout and the 16 levels its nibbles select.
+template <typename LAYOUT, const int8_t* LEVELS>
+struct LutFormat {
+  using L = LAYOUT;
+  static constexpr const int8_t* kLevels = LEVELS;
+  // level + 128 of lane j, k = kk of a group record (past its header)
+  static int32_t u(const uint8_t* q, int j, int kk) {
+    const uint8_t byte = q[(kk % 16) / 4 * 64 + j * 4 + kk % 4];
+    return LEVELS[kk < 16 ? (byte & 15) : (byte >> 4)] + 128;
+  }
+};
+using Iq4XsNibbles = LutFormat<LutLayout, kIq4Levels>;
+using Iq4NlNibbles = LutFormat<HalfLutLayout, kIq4Levels>;
+using Q4_0Nibbles = LutFormat<HalfLutLayout, kQ4Levels>;
 
 // The byte layout's formula over nibble panels: I = sum (level + 128) * a - 128 * S.
-inline void q8lut_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                                  float* y, int64_t N, const float* bias) {
-  using L = LutLayout;
+template <typename F>
+void q8lut_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                           int64_t N, const float* bias) {
+  using L = typename F::L;
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += 32) {
@@ -33,7 +45,7 @@ inline void q8lut_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
       const int32_t S = group_sum<32>(a.sums16 + m * (K / 16), g0);
       for (int j = 0; j < kPanel; ++j) {
         int32_t I = 0;
-        for (int kk = 0; kk < 32; ++kk) I += lut_u(q, j, kk) * am[kk];
+        for (int kk = 0; kk < 32; ++kk) I += F::u(q, j, kk) * am[kk];
         acc[j] = std::fma(static_cast<float>(I - 128 * S), scale[j] * d, acc[j]);
       }
     }
@@ -44,22 +56,27 @@ inline void q8lut_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 // As q8tile over nibble panels: each 64-byte vector gives two vectors of levels + 128 (a byte
 // shuffle per 128-bit lane), multiplied as the byte layout's, then 128 * S subtracted per group.
-template <int ROWS>
+template <typename F, int ROWS>
 void q8lut_tile(const int32_t* quads, const float* d_t, const void* s32_v, int64_t M, int64_t K,
                 const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = LutLayout;
+  using L = typename F::L;
   const int32_t* s32 = static_cast<const int32_t*>(s32_v);
   const uint8_t* panel = wq + p * L::panel_bytes(K);
   const __m512i low4 = _mm512_set1_epi8(15);
   const __m512i levels = _mm512_broadcast_i32x4(
-      _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)), _mm_set1_epi8(-128)));
+      _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F::kLevels)), _mm_set1_epi8(-128)));
   __m512 acc[ROWS], d_super = _mm512_setzero_ps();
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 32) {
     const int64_t gi = g0 / 32;
-    if (gi % L::kSuperGroups == 0) d_super = f16_to_vec(L::super(panel, gi));
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m512 scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
+    __m512 scale;
+    if constexpr (L::kHalfScales) {
+      scale = f16_to_vec(rec);
+    } else {
+      if (gi % L::kSuperGroups == 0) d_super = f16_to_vec(L::super(panel, gi));
+      scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
+    }
     const uint8_t* q = rec + L::kGroupHeader;
     __m512i dot[ROWS];
     zero_dots(dot);
@@ -87,39 +104,44 @@ void q8lut_tile(const int32_t* quads, const float* d_t, const void* s32_v, int64
   store_tile(acc, y, N, p, bias);
 }
 
-template <int... R>
+template <typename F, int... R>
 constexpr std::array<Q8TileFn, sizeof...(R)> q8lut_table(std::integer_sequence<int, R...>) {
-  return {&q8lut_tile<R + 1>...};
+  return {&q8lut_tile<F, R + 1>...};
 }
 
-inline void q8lut_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
-                            float* y, int64_t N, const float* bias) {
-  static constexpr auto table = q8lut_table(std::make_integer_sequence<int, kVnniRows>{});
+template <typename F>
+void q8lut_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
+                  int64_t N, const float* bias) {
+  static constexpr auto table = q8lut_table<F>(std::make_integer_sequence<int, kVnniRows>{});
   q8_run_tiles(table.data(), a, a.s32, K / 32, M, K, wq, p_begin, y, N, bias);
 }
 
-constexpr Q8PanelFn kLutVector = &q8lut_run_group;
 constexpr bool kHaveLutTiles = true;
 #elif defined(__AVX2__)
 
 // As q8tile_avx2's byte formats over nibble panels: the levels themselves (int8) looked up by a
 // byte shuffle, then the sign trick (|level| <= 127, so no pair of vpmaddubsw saturates).
-template <int ROWS>
+template <typename F, int ROWS>
 void q8lut_tile_avx2(const int32_t* quads, const float* d_t, int64_t M, int64_t K, const uint8_t* panel,
                      int64_t p, float* y, int64_t N, const float* bias) {
-  using L = LutLayout;
+  using L = typename F::L;
   const __m256i low4 = _mm256_set1_epi8(15);
   const __m256i levels =
-      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F::kLevels)));
   __m256 acc[ROWS][2], d_super[2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 32) {
     const int64_t gi = g0 / 32;
-    if (gi % L::kSuperGroups == 0)
-      for (int h = 0; h < 2; ++h) d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8x8(rec)), _mm256_mul_ps(d_super[1], i8x8(rec + 8))};
+    __m256 scale[2];
+    if constexpr (L::kHalfScales) {
+      scale[0] = f16x8(rec), scale[1] = f16x8(rec + 16);
+    } else {
+      if (gi % L::kSuperGroups == 0)
+        for (int h = 0; h < 2; ++h) d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
+      scale[0] = _mm256_mul_ps(d_super[0], i8x8(rec)), scale[1] = _mm256_mul_ps(d_super[1], i8x8(rec + 8));
+    }
     const uint8_t* q = rec + L::kGroupHeader;
     const int32_t* a_lo = quads + (g0 / 4) * ROWS;
     const int32_t* a_hi = quads + ((g0 + 16) / 4) * ROWS;
@@ -160,30 +182,36 @@ void q8lut_tile_avx2(const int32_t* quads, const float* d_t, int64_t M, int64_t 
   store_panel_rows<ROWS>(acc, y, N, p, bias);
 }
 
-inline void q8lut_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                             float* y, int64_t N, const float* bias) {
+template <typename F>
+void q8lut_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y, int64_t N,
+                  const float* bias) {
   constexpr int kRows = kAvx2Rows;
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8lut_tile_avx2<4>
-                 : rows == 3 ? &q8lut_tile_avx2<3>
-                 : rows == 2 ? &q8lut_tile_avx2<2>
-                             : &q8lut_tile_avx2<1>;
+    auto* tile = rows == 4   ? &q8lut_tile_avx2<F, 4>
+                 : rows == 3 ? &q8lut_tile_avx2<F, 3>
+                 : rows == 2 ? &q8lut_tile_avx2<F, 2>
+                             : &q8lut_tile_avx2<F, 1>;
     tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 
-constexpr Q8PanelFn kLutVector = &q8lut_panel_avx2;
 constexpr bool kHaveLutTiles = true;
 #else
-constexpr Q8PanelFn kLutVector = &q8lut_reference_panel;
+template <typename F>
+void q8lut_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y, int64_t N,
+                  const float* bias) {
+  q8lut_reference_panel<F>(a, M, K, panel, p, y, N, bias);
+}
 constexpr bool kHaveLutTiles = false;
 #endif
 
-// Nibble panels of IQ4_XS levels: the VNNI or AVX2 tiles, or the scalar reference.
-inline void q8lut_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
-                           const float* bias, bool reference) {
-  q8_layout_unit<&LutLayout::panel_bytes, &q8lut_reference_panel, kLutVector>(a, wq, g, y, N, bias, reference);
+// Nibble panels of format F: the VNNI or AVX2 tiles, or the scalar reference.
+template <typename F>
+void q8lut_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N, const float* bias,
+                    bool reference) {
+  q8_layout_unit<&F::L::panel_bytes, &q8lut_reference_panel<F>, &q8lut_vector<F>>(a, wq, g, y, N, bias,
+                                                                                   reference);
 }
 
 }  // namespace selfspec

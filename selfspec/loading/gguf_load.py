@@ -47,9 +47,9 @@ from selfspec.speed.quantized import (
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
 LAYOUT_VERSION = 1  # of quantized.pack's layout: entries of another version are not read
-# gguf-q8 with Q6_K as six-bit panels, IQ4_XS as nibbles and Q5_K as five-bit panels (v4: Q6_K
-# only, IQ4_XS as bytes and Q5_K as Q8_0; v3 held Q6_K's bytes too)
-Q8_LAYOUT_VERSION = 6
+# gguf-q8 with Q6_K as six-bit panels, IQ4_XS, IQ4_NL and Q4_0 as nibbles of indices and Q5_K as
+# five-bit panels (v6: IQ4_NL as bytes, Q4_0 with float scales and offsets; v4: Q6_K only)
+Q8_LAYOUT_VERSION = 7
 EXACT_SIX_BIT_LAYOUT_VERSION = 5  # gguf with Q6_K as six-bit panels (v1: as bytes)
 
 

@@ -17,8 +17,9 @@ import numpy as np
 
 from selfspec.errors import SelfSpecError
 
-# kernel formats (kernels/linear.h); SIX_BITS, LUT_NIBBLES and FIVE_BITS in mode gguf-q8 only
+# kernel formats (kernels/linear.h); those from SIX_BITS on in mode gguf-q8 only
 NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS, LUT_NIBBLES, FIVE_BITS = 0, 1, 2, 3, 4, 5
+HALF_NIBBLES, HALF_LUT_NIBBLES = 6, 7  # Q4_0's and IQ4_NL's indices and float16 scales
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -30,7 +31,7 @@ class Decoded:
     their float32 products:
     scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
     Q6_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d [N, K // 256]
-    float16, sc int8."""
+    float16, sc int8. Q4_0 and IQ4_NL keep their float16 d [N, K // 32] as their one factor."""
 
     q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
     scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
@@ -40,7 +41,8 @@ class Decoded:
     factors: tuple | None = (
         None  # SUPER_NIBBLES: d, dmin [N, K // 256] float16; sc, m [N, K // G] uint8; Q6_K: d, sc
     )
-    levels: np.ndarray | None = None  # IQ4_XS: the 16 values q takes, each picked by 4 bits
+    # IQ4_XS, IQ4_NL, Q4_0: the 16 values a 4-bit index picks (Q4_0: q is the index, level q - 8)
+    levels: np.ndarray | None = None
 
     def weights(self, first: int, last: int) -> np.ndarray:
         """Rows [first, last) as the float32 values the file dequantizes to: scale * q is exact in
@@ -58,8 +60,12 @@ class Decoded:
         return w + np.repeat(offset, self.group, axis=1) if offset is not None else w
 
 
+def _half(column: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(column).view(np.float16)
+
+
 def _f16(column: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)
+    return _half(column).astype(np.float32)
 
 
 def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -70,6 +76,7 @@ def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 IQ4_LEVELS = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
 )
+Q4_LEVELS = np.arange(-8, 8, dtype=np.int8)  # Q4_0's q - 8
 _NIBBLE_SHIFTS = np.array([0, 4], np.uint8).reshape(1, 2, 1)
 _PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)
 
@@ -149,14 +156,10 @@ def _q5_0(raw, rows):
 
 def _q4_0(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles; w = d * (q - 8), exact as d * q - 8 d
-    d = _f16(b[:, 0:2])
-    return Decoded(
-        _nibbles(b[:, 2:]).reshape(rows, -1),
-        d.reshape(rows, -1),
-        (-8 * d).reshape(rows, -1),
-        32,
-        NIBBLES,
-    )
+    d = _f16(b[:, 0:2]).reshape(rows, -1)
+    factors = (_half(b[:, 0:2]).reshape(rows, -1),)  # for gguf-q8's nibble panels
+    q = _nibbles(b[:, 2:]).reshape(rows, -1)
+    return Decoded(q, d, -8 * d, 32, NIBBLES, factors, Q4_LEVELS)
 
 
 def _q3_k(raw, rows):
@@ -174,8 +177,9 @@ def _q3_k(raw, rows):
 
 def _iq4_nl(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles selecting IQ4_LEVELS
-    q = IQ4_LEVELS[_nibbles(b[:, 2:])]
-    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+    q = IQ4_LEVELS[_nibbles(b[:, 2:])].reshape(rows, -1)
+    factors = (_half(b[:, 0:2]).reshape(rows, -1),)  # for gguf-q8's nibble panels
+    return Decoded(q, _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES, factors, IQ4_LEVELS)
 
 
 def _iq4_xs(raw, rows):
@@ -183,7 +187,7 @@ def _iq4_xs(raw, rows):
     high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3
     low = ((b[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], np.uint8)) & 15).reshape(-1, 8)
     sc = (low | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
-    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16)
+    d = _half(b[:, 0:2])
     scale = d.astype(np.float32) * sc.astype(np.float32)  # per 32 weights, d * sc: exact in float32
     q = IQ4_LEVELS[_nibbles(b[:, 8:].reshape(-1, 16))]
     factors = (d.reshape(rows, -1), sc.reshape(rows, -1))  # for gguf-q8's nibble panels

@@ -16,9 +16,10 @@ the float32 model's (see ``selfspec.speed.modes``).
 Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale factors), Q4_1
 and Q4_0 (4-bit, float scale and offset per 32), Q6_K (int8 per 16, or six bits where the build
 has the six-bit tiles: both modes on AVX-512), Q3_K (int8 per 16), Q8_0, Q5_0, IQ4_NL and IQ4_XS
-(int8 per 32). Mode gguf-q8 also holds IQ4_XS as its 4-bit indices and Q5_K as five-bit panels
-(``pack_lut_nibbles``, ``pack_five_bits``); other types gguf reads are laid out as Q8_0 in mode
-gguf-q8 only. The embedding and the norms stay float32 (they are not streamed per step).
+(int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and Q4_0 as their 4-bit indices and Q5_K as
+five-bit panels (``pack_lut_nibbles``, ``pack_half_nibbles``, ``pack_five_bits``); other types
+gguf reads are laid out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32
+(they are not streamed per step).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from selfspec.speed.blocks import (
     BYTES,
     DECODERS,
     FIVE_BITS,
+    HALF_LUT_NIBBLES,
+    HALF_NIBBLES,
     LUT_NIBBLES,
     NIBBLES,
     Q8_DECODERS,
@@ -119,18 +122,41 @@ def pack_six_bits(decoded: Decoded) -> torch.Tensor:
 
 def has_lut_nibbles(decoded: Decoded) -> bool:
     """Whether ``decoded`` is IQ4_XS, which ``pack_lut_nibbles`` lays out."""
-    return decoded.levels is not None and decoded.factors is not None
+    return decoded.levels is not None and len(decoded.factors) == 2
+
+
+def has_half_nibbles(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is Q4_0 or IQ4_NL, which ``pack_half_nibbles`` lays out."""
+    return decoded.levels is not None and len(decoded.factors) == 1
+
+
+def _nibble_indices(decoded: Decoded) -> np.ndarray:
+    """Each weight's 4-bit index into ``decoded.levels``, in gguf-q8's nibble arrangement."""
+    if decoded.format == NIBBLES:  # Q4_0: q is the index
+        index = decoded.q
+    else:
+        inverse = np.zeros(256, np.uint8)  # level (as its byte) -> its index: a byte a weight
+        inverse[decoded.levels.view(np.uint8)] = np.arange(len(decoded.levels), dtype=np.uint8)
+        index = inverse[decoded.q.view(np.uint8)]
+    return _q_vnni_arrangement(Decoded(index, None, None, 32, NIBBLES))
 
 
 def pack_lut_nibbles(decoded: Decoded) -> torch.Tensor:
     """IQ4_XS in the kernel's LUT_NIBBLES layout (kernels/linear.h, LutLayout): per 256 k, d; per
     group of 32 k, sc and each level's 4-bit index in gguf-q8's nibble arrangement."""
-    inverse = np.zeros(256, np.uint8)  # level (as its byte) -> its index: a byte a weight
-    inverse[decoded.levels.view(np.uint8)] = np.arange(len(decoded.levels), dtype=np.uint8)
-    index = inverse[decoded.q.view(np.uint8)]
-    q = _q_vnni_arrangement(Decoded(index, None, None, 32, NIBBLES))
     d, sc = decoded.factors
-    return _superblocks(np.concatenate([_lanes_last(sc).view(np.uint8), q], axis=2), d)
+    groups = np.concatenate([_lanes_last(sc).view(np.uint8), _nibble_indices(decoded)], axis=2)
+    return _superblocks(groups, d)
+
+
+def pack_half_nibbles(decoded: Decoded) -> tuple[torch.Tensor, int]:
+    """Q4_0 or IQ4_NL in the kernel's HalfLutLayout (kernels/linear.h): per group of 32 k, d and
+    each weight's 4-bit index in gguf-q8's nibble arrangement; and its format (HALF_NIBBLES or
+    HALF_LUT_NIBBLES, which say which levels the indices pick)."""
+    (d,) = decoded.factors
+    groups = np.concatenate([_lanes_last(d).view(np.uint8), _nibble_indices(decoded)], axis=2)
+    format = HALF_NIBBLES if decoded.format == NIBBLES else HALF_LUT_NIBBLES
+    return torch.from_numpy(groups.reshape(groups.shape[0], -1)), format
 
 
 def pack_five_bits(decoded: Decoded) -> torch.Tensor:
@@ -203,8 +229,10 @@ class QuantLinear(nn.Module):
         """(panels, kernel format, group size) of ``decoded`` in this mode."""
         if cls.wants_six_bits(kernel) and has_six_bits(decoded):
             return pack_six_bits(decoded), SIX_BITS, 16
-        if cls.vnni and has_lut_nibbles(decoded) and kernel.q8_lut_nibbles():
-            return pack_lut_nibbles(decoded), LUT_NIBBLES, 32
+        if cls.vnni and decoded.levels is not None and kernel.q8_lut_nibbles():
+            if has_lut_nibbles(decoded):
+                return pack_lut_nibbles(decoded), LUT_NIBBLES, 32
+            return (*pack_half_nibbles(decoded), 32)
         if decoded.format == FIVE_BITS:
             if kernel.q8_five_bits():
                 return pack_five_bits(decoded), FIVE_BITS, 32
