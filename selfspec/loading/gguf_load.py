@@ -170,12 +170,16 @@ def _fill_float_tensors(model: nn.Module, gguf: GGUFFile, skip: set[str]) -> Non
     own = isinstance(model, CausalLM)
     process = _own_processor(model) if own else _hf_processor(model, gguf, name_map)
     for name, tensor in gguf.tensors.items():
-        if name in skip:
+        # held by the file, not used by the model (as transformers skips it): not read at all (an
+        # untied output.weight beside a tied head would cost a float32 copy of the vocabulary)
+        if name in skip or name_map.get(name) not in params:
             continue
-        weights = gguf_dequantize(tensor.data, GGMLQuantizationType[tensor.type_name])
+        # read, not mapped: mapped pages stay counted in the process's resident memory
+        raw = tensor.read_rows(0, tensor.rows)
+        weights = gguf_dequantize(raw, GGMLQuantizationType[tensor.type_name])
         weights, name = process(weights, name)
         param = params.get(name_map.get(name, ""))
-        if param is None:  # held by the file, not used by the model (as transformers skips it)
+        if param is None:
             continue
         value = np.array(weights, dtype=np.float32).reshape(param.shape)
         module_name, _, leaf = name_map[name].rpartition(".")

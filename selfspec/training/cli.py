@@ -1,9 +1,11 @@
 """`selfspec train-heads`: draft heads for a model, trained on its own answers (the model writes
 questions and answers them) or, with ``--from-history``, on what it was used for (``--learn``).
-The training itself is ``selfspec.training.heads``'s."""
+The training itself is ``selfspec.training.heads``'s. Under ``accelerate launch`` each process
+does a share of it (``selfspec.training.ranks``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.training.budget import Budget
 from selfspec.training.heads import train_heads
 from selfspec.training.history import History
+from selfspec.training.ranks import Ranks
 
 
 def add_arguments(parser) -> None:
@@ -86,6 +89,9 @@ def run(args) -> int:
         raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
     if args.fresh and args.from_history is None:
         raise SelfSpecError("--fresh goes with --from-history (other training starts from zeros)")
+    ranks = Ranks.current()  # several under `accelerate launch`
+    if not ranks.main:
+        os.environ["SELFSPEC_NO_PROGRESS"] = "1"  # one process's bars are enough
     engine = load_engine(args)
     history = None
     if args.from_history is not None:
@@ -102,9 +108,10 @@ def run(args) -> int:
     heads = train_heads(
         engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
         args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
-        history=history, start=start,
+        history=history, start=start, ranks=ranks,
     )  # fmt: skip
-    print(report(out, heads))
+    if ranks.main:
+        print(report(out, heads))
     return 0
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads, token_input
 from selfspec.errors import SelfSpecError
 from selfspec.loading.fetch import progress_bar
+from selfspec.training.ranks import Ranks
 
 
 def fit_rows(
@@ -35,6 +36,7 @@ def fit_rows(
     soft=0.5,
     owner=None,
     deadline=None,
+    ranks=Ranks(),
 ):
     """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
     [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
@@ -45,6 +47,8 @@ def fit_rows(
     a row of the same answer by ``owner`` [n]; also where the token itself is past ``out``). The
     held-out rows give ``info["heldout_top1_by_head"]``: the share of rows where heads 1..j all
     guess right. No batch begins past ``deadline`` (a ``time.monotonic()`` value), but the first.
+    ``ranks``: each batch split over several processes (``selfspec.training.ranks``), each
+    holding all the rows; their gradients summed.
     """
     count, device = len(tokens) - 1, out.device
     if soft > 0 and owner is None:
@@ -52,7 +56,7 @@ def fit_rows(
     owner = None if owner is None else owner.to(device)
     heads = initial_heads(init, count, hidden.shape[1], device, layers)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
-    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline)
+    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline, ranks)
     heads = heads.detached()
     top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
     heads.info = {
@@ -69,10 +73,12 @@ def fit_rows(
 
 
 def _train(
-    heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline=None
-) -> None:
+    heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline=None,
+    ranks=Ranks(),
+) -> None:  # fmt: skip
     """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place, until
-    ``deadline``."""
+    ``deadline``. Each process of ``ranks`` takes its share of every batch; a loss is its rows'
+    sum over the whole batch's count, so the summed gradients are one process's."""
     params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
     for t in params:
         t.requires_grad_()
@@ -84,19 +90,26 @@ def _train(
     for _ in range(epochs):
         order = rows[torch.randperm(len(rows), device=rows.device)]
         for first in range(0, len(order), batch):
-            if deadline is not None and bar.n and time.monotonic() >= deadline:
+            if bar.n and ranks.any(deadline is not None and time.monotonic() >= deadline):
                 bar.close()
                 return
-            i = order[first : first + batch]
+            whole = order[first : first + batch]
+            i = whole[ranks.rank :: ranks.world]
             chain = _chain(hidden[i], tokens[:, i], links, out, embed)
             losses = []
             for j, (logits, target) in enumerate(chain):
-                loss = _hard_loss(logits, target)
+                loss = _hard_loss(logits, target, _guessable(tokens[j + 1, whole], len(out)))
                 if soft > 0:
-                    loss = (1 - soft) * loss + soft * soft_loss(logits, hidden, owner, i, j, out)
+                    count = int(_same_answer(whole, j, owner, len(hidden)).sum())
+                    soft_part = soft_loss(logits, hidden, owner, i, j, out, count)
+                    loss = (1 - soft) * loss + soft * soft_part
                 losses.append(loss)
             opt.zero_grad()
             sum(losses).backward()
+            for t in params:  # a process whose share of a batch is empty still sends zeros
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+            ranks.sum_([t.grad for t in params])
             opt.step()
             decay.step()
             bar.update()
@@ -126,22 +139,34 @@ def initial_heads(init, count, size, device, layers) -> DraftHeads:
     return first.mapped(lambda t: t.to(device, torch.float32).detach().clone())
 
 
-def _hard_loss(logits, target):
-    return F.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / max(
-        1, int((target >= 0).sum())
-    )
+def _guessable(tokens, vocab_prefix: int) -> int:
+    """How many of a batch's tokens for a head are among the ids it scores."""
+    return int(((tokens >= 0) & (tokens < vocab_prefix)).sum())
 
 
-def soft_loss(logits, hidden, owner, rows, j, out):
+def _hard_loss(logits, target, count: int):
+    """Cross-entropy summed over ``target``'s rows, over ``count`` (the whole batch's)."""
+    return F.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / max(1, count)
+
+
+def _same_answer(rows, j, owner, total: int):
+    """Whether the row that produced head j's token for each of ``rows`` is of the same answer."""
+    later = (rows + 1 + j).clamp(max=total - 1)
+    return (owner[later] == owner[rows]) & (rows + 1 + j < total)
+
+
+def soft_loss(logits, hidden, owner, rows, j, out, count: int | None = None):
     """Cross-entropy against the model's distribution over ``out``'s ids at the rows (of
-    ``hidden``) that produced head j's tokens, where that row belongs to the same answer."""
-    later = (rows + 1 + j).clamp(max=len(hidden) - 1)
-    same = (owner[later] == owner[rows]) & (rows + 1 + j < len(hidden))
+    ``hidden``) that produced head j's tokens, where that row belongs to the same answer; summed
+    over ``count`` (default: the mean over those rows)."""
+    same = _same_answer(rows, j, owner, len(hidden))
     if not bool(same.any()):
         return logits.sum() * 0
+    later = (rows + 1 + j)[same]
     with torch.no_grad():
-        target = torch.softmax(hidden[later[same]].to(out.device, torch.float32) @ out.T, -1)
-    return -(target * torch.log_softmax(logits[same], -1)).sum(-1).mean()
+        target = torch.softmax(hidden[later].to(out.device, torch.float32) @ out.T, -1)
+    total = -(target * torch.log_softmax(logits[same], -1)).sum()
+    return total / (count if count is not None else int(same.sum()))
 
 
 def frequent_ids(

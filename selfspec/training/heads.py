@@ -35,6 +35,7 @@ from selfspec.loading.fetch import progress_bar
 from selfspec.training.budget import Budget, past
 from selfspec.training.fit import fit_rows
 from selfspec.training.history import History
+from selfspec.training.ranks import Ranks, prefix
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine
@@ -149,14 +150,32 @@ def task_texts(questions, answers, decode, rng: random.Random, count: int, min_t
     ][:count]
 
 
-def write_questions(engine: Engine, per_topic: int, topics=TOPICS) -> list[str]:
+def write_questions(engine: Engine, per_topic: int, topics=TOPICS, ranks=Ranks()) -> list[str]:
     prompts = [
         engine.encode(QUESTION_PROMPT.format(n=per_topic, topic=t), chat=True) for t in topics
     ]
     questions: list[str] = []
-    for answer in generate_greedy(engine, prompts, 24 * per_topic + 32, "questions"):
+    for answer in answered(engine, ranks, prompts, 24 * per_topic + 32, "questions"):
         add_questions(questions, engine.tokenizer.decode(answer, skip_special_tokens=True))
     return questions
+
+
+def answered(engine, ranks: Ranks, prompts, max_new, desc, done=None, save=None, deadline=None,
+             budget=None) -> list[list[int]]:  # fmt: skip
+    """``generate_greedy`` over several processes: each answers every ``world``-th prompt, and
+    every process gets the answers of the prompts all answered, in order (saved once at the end:
+    a stopped run of several processes resumes from where the last stage it finished left)."""
+    if ranks.world == 1:
+        return generate_greedy(engine, prompts, max_new, desc, done, save, deadline, budget)
+    share = ranks.share(prompts)
+    done = list(done or [])
+    mine = [done[i] for i, _ in share if i < len(done)]
+    prompts = [p for _, p in share]
+    got = generate_greedy(engine, prompts, max_new, desc, mine, None, deadline, budget)
+    answers = prefix(ranks.gather(list(zip((i for i, _ in share), got))))
+    if save and ranks.main:
+        save(answers)
+    return answers
 
 
 def add_questions(questions: list[str], text: str) -> None:
@@ -168,7 +187,12 @@ def add_questions(questions: list[str], text: str) -> None:
 
 
 def answers_for(
-    engine: Engine, work: Path, questions: int, max_new: int, budget: Budget | None = None
+    engine: Engine,
+    work: Path,
+    questions: int,
+    max_new: int,
+    budget: Budget | None = None,
+    ranks: Ranks = Ranks(),
 ) -> dict:
     """The questions and the model's answers, then tasks over a quarter of those answers and the
     model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them. Saved
@@ -176,19 +200,22 @@ def answers_for(
     so that the hidden states and the fit get the rest."""
     budget = budget or Budget(None)
     path = work / "answers.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = json.loads(path.read_text()) if ranks.main and path.is_file() else {}
+    data = ranks.broadcast(data)  # the main process's folder holds the answers
     if (
         data.get("max_new") != max_new
         or data.get("asked_for", len(data.get("answers", ()))) < questions
     ):
         per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
-        asked = write_questions(engine, per_topic, TOPICS[: -(-questions // per_topic) + 4])
+        topics = TOPICS[: -(-questions // per_topic) + 4]
+        asked = write_questions(engine, per_topic, topics, ranks)
         random.Random(0).shuffle(asked)
         asked = asked[:questions]
         prompts = [engine.encode(q, chat=True) for q in asked]
         data = {"questions": asked, "prompts": prompts, "answers": [], "max_new": max_new}
         data["asked_for"] = questions
-        atomic_write_text(path, json.dumps(data))
+        if ranks.main:
+            atomic_write_text(path, json.dumps(data))
 
     def saver(key: str) -> Callable[[list[list[int]]], None]:
         def save(answers: list[list[int]]) -> None:
@@ -197,9 +224,9 @@ def answers_for(
 
         return save
 
-    data["answers"] = generate_greedy(
-        engine, data["prompts"], max_new, "answers", data.get("answers"), saver("answers"),
-        budget.until(0.45), budget,
+    data["answers"] = answered(
+        engine, ranks, data["prompts"], max_new, "answers", data.get("answers"),
+        saver("answers"), budget.until(0.45), budget,
     )  # fmt: skip
     if "task_prompts" not in data or len(data["task_prompts"]) < len(data["answers"]) // 4:
         texts = task_texts(
@@ -213,8 +240,8 @@ def answers_for(
         data["task_prompts"] = [engine.encode(text, chat=True) for text in texts]
         # a task list grown from more answers keeps its first tasks: same seed, same order
         data["task_answers"] = data.get("task_answers", [])[: len(data["task_prompts"])]
-    data["task_answers"] = generate_greedy(
-        engine, data["task_prompts"], max_new, "tasks", data.get("task_answers"),
+    data["task_answers"] = answered(
+        engine, ranks, data["task_prompts"], max_new, "tasks", data.get("task_answers"),
         saver("task_answers"), budget.until(0.27), budget,
     )  # fmt: skip
     return data
@@ -301,11 +328,13 @@ def fit(
     soft: float = 0.5,
     deadline: float | None = None,
     init: DraftHeads | None = None,
+    ranks: Ranks = Ranks(),
 ) -> DraftHeads:
     """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over the first
     ``vocab_prefix`` ids, ``soft`` of it against the model's own distribution; guesses past them
     are left out) on all but the last ``heldout`` share of answers, measured on those; no batch
-    begins past ``deadline``. ``init``: heads to start from (default: zeros)."""
+    begins past ``deadline``. ``init``: heads to start from (default: zeros). ``ranks``: each
+    batch split over several processes."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
@@ -329,6 +358,7 @@ def fit(
         owner=owner,
         deadline=deadline,
         init=init,
+        ranks=ranks,
     )
     trained.info.update(
         model=engine.loaded.name,
@@ -353,31 +383,40 @@ def train_heads(
     measure: bool = False,
     history: History | None = None,
     start: DraftHeads | None = None,
+    ranks: Ranks = Ranks(),
 ) -> DraftHeads:
     """Answers (resumed from ``work``; or ``history``'s, what the model was used for), their
     hidden states, the fit (from ``start``'s heads, if given), saved to ``out``; within ``budget``
     when given. ``measure``: time them on held-out prompts on this machine first (``heads_pay``;
-    in ``info["decode_speedup"]``)."""
+    in ``info["decode_speedup"]``). ``ranks``: this process's share of the work of several
+    (``selfspec.training.ranks``); the main one measures and saves."""
     started = time.time()
     budget = budget or Budget(None)
     if history is None:
-        pairs = answered_pairs(answers_for(engine, work, questions, max_new, budget))
+        pairs = answered_pairs(answers_for(engine, work, questions, max_new, budget, ranks))
     else:
         pairs = history_pairs(engine, history)
     random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
     # the hidden states cost about what the fit does: each gets a little under half of what is left
     until = budget.until(0.45)
-    rows = features(engine, [p for p, _ in pairs], [a for _, a in pairs], heads, until)
+    share = ranks.share(pairs)
+    got = features(engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until)
+    kept = ranks.gather(list(zip((i for i, _ in share), got)))  # a process may stop sooner
+    pairs, rows = [pairs[i] for i, _ in kept], [r for _, r in kept]
     fit_until = budget.until(0.85)
     trained = fit(
-        engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until, init=start
-    )
+        engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until, init=start,
+        ranks=ranks,
+    )  # fmt: skip
     trained.info["seconds"] = round(time.time() - started)
+    trained.info["processes"] = ranks.world
     learned_from(trained, start, from_use=history is not None)
-    if measure:
-        heldout = [p for p, _ in pairs[held_out_from(len(rows)) : len(rows)]][:4]
-        trained.info["decode_speedup"] = heads_pay(engine, trained, heldout, before=start)
-    trained.save(out)
+    if ranks.main:
+        if measure:
+            heldout = [p for p, _ in pairs[held_out_from(len(rows)) :]][:4]
+            trained.info["decode_speedup"] = heads_pay(engine, trained, heldout, before=start)
+        trained.save(out)
+    ranks.wait()
     return trained
 
 
