@@ -36,14 +36,14 @@ def test_one_process_is_every_item_in_order():
 @pytest.mark.slow  # two trainings, one of them on two processes
 def run_train_heads(args: list[str], out, processes: int) -> subprocess.CompletedProcess:
     train = ["-m", "selfspec.cli", "train-heads", "--model", "smollm2-135m", "--no-measure"]
-    command = [sys.executable, *train, *args, "--out", str(out)]
+    launch = []
     if processes > 1:
         # --multi_gpu: accelerate's launcher of several processes (torch.distributed.run); with no
         # GPU they are CPU processes on gloo
         launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1"]
         launch += ["--num_processes", str(processes), "--main_process_port", str(free_port())]
         launch += ["--mixed_precision", "no", "--dynamo_backend", "no"]
-        command = [sys.executable, *launch, *train, *args, "--out", str(out)]
+    command = [sys.executable, *launch, *train, *args, "--out", str(out)]
     env = {**ENV, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

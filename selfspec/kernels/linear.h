@@ -142,6 +142,15 @@ constexpr bool q8_only_format(int64_t format) {
 #endif
 constexpr int kQuantPrefetch = SELFSPEC_QPREFETCH;  // bytes ahead in each panel's stream
 
+// rec, asking for its record's BYTES bytes kQuantPrefetch ahead in its panel's stream: with many
+// rows the loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle.
+template <int64_t BYTES>
+inline const uint8_t* prefetching(const uint8_t* rec) {
+  for (int64_t line = 0; line < BYTES; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
+  return rec;
+}
+
 template <int FORMAT, int G>
 struct Layout {
   static constexpr bool kNibbleQ = FORMAT != kBytes;
@@ -159,13 +168,9 @@ struct Layout {
       return panel + gi / kSuperGroups * kSuperBytes + kSuperHeader + gi % kSuperGroups * kGroupBytes;
     return panel + gi * kGroupBytes;
   }
-  // As group(), asking for the bytes kQuantPrefetch ahead in the panel's stream: with many rows the
-  // loop is compute-bound, and the hardware prefetcher alone lets the memory bus idle.
+  // As group(), its record asked for ahead (prefetching)
   static const uint8_t* group_prefetching(const uint8_t* panel, int64_t gi) {
-    const uint8_t* rec = group(panel, gi);
-    for (int64_t line = 0; line < kGroupBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
-    return rec;
+    return prefetching<kGroupBytes>(group(panel, gi));
   }
   // Group gi's scale and offset for all kPanel lanes, as floats in memory (for code that does not
   // work in vec-wide steps: the scalar reference, the AVX2 q8 tiles on any vec width).
@@ -204,15 +209,6 @@ struct Layout {
     }
   };
 };
-
-// rec, asking for the BYTES bytes kQuantPrefetch ahead of it in its panel's stream (as
-// Layout::group_prefetching).
-template <int64_t BYTES>
-inline const uint8_t* prefetching(const uint8_t* rec) {
-  for (int64_t line = 0; line < BYTES; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(rec + kQuantPrefetch + line), _MM_HINT_T0);
-  return rec;
-}
 
 // Panels of superblocks (256 k): a header of SUPER_HEADER bytes, then GROUPS groups of GROUP_BYTES
 // (the layouts below add what a group holds).

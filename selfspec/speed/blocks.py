@@ -156,10 +156,10 @@ def _q5_0(raw, rows):
 
 def _q4_0(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles; w = d * (q - 8), exact as d * q - 8 d
-    d = _f16(b[:, 0:2]).reshape(rows, -1)
-    factors = (_half(b[:, 0:2]).reshape(rows, -1),)  # for gguf-q8's nibble panels
+    half = _half(b[:, 0:2]).reshape(rows, -1)  # kept for gguf-q8's nibble panels
+    d = half.astype(np.float32)
     q = _nibbles(b[:, 2:]).reshape(rows, -1)
-    return Decoded(q, d, -8 * d, 32, NIBBLES, factors, Q4_LEVELS)
+    return Decoded(q, d, -8 * d, 32, NIBBLES, (half,), Q4_LEVELS)
 
 
 def _q3_k(raw, rows):
@@ -178,8 +178,8 @@ def _q3_k(raw, rows):
 def _iq4_nl(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles selecting IQ4_LEVELS
     q = IQ4_LEVELS[_nibbles(b[:, 2:])].reshape(rows, -1)
-    factors = (_half(b[:, 0:2]).reshape(rows, -1),)  # for gguf-q8's nibble panels
-    return Decoded(q, _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES, factors, IQ4_LEVELS)
+    half = _half(b[:, 0:2]).reshape(rows, -1)  # kept for gguf-q8's nibble panels
+    return Decoded(q, half.astype(np.float32), None, 32, BYTES, (half,), IQ4_LEVELS)
 
 
 def _iq4_xs(raw, rows):
