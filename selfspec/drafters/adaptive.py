@@ -159,12 +159,8 @@ class AdaptiveDrafter(Drafter):
         """``planned=False``: draft every context match in full, without weighing costs (tests)."""
         super().__init__()
         self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
-        self.heads = heads
-        self.head_acceptance = None
-        if heads is not None:
-            self.head_acceptance = Acceptance(len(heads.heads), head_prior(heads.heads.info))
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
-        self.head_calibration = Calibration()  # head drafts' kept tokens / their chances' sum
+        self.use_heads(heads)
         self.recycled = recycled
         self.recycled_calibration = Calibration()  # recycled drafts' kept tokens / chances' sum
         self._recycled_chances: list[float] = []  # of the current round's recycled draft
@@ -186,6 +182,15 @@ class AdaptiveDrafter(Drafter):
         # carried over from other texts says little about this one, and a long draft of a text
         # that does not repeat itself costs rows for nothing.
         self.ngram_cap = 1
+
+    def use_heads(self, heads: HeadDrafter | None) -> None:
+        """Draft with ``heads`` from the next generation on (a server's heads trained while it
+        was idle); what was measured of the heads before them no longer counts."""
+        self.heads = heads
+        self.head_acceptance = None
+        if heads is not None:
+            self.head_acceptance = Acceptance(len(heads.heads), head_prior(heads.heads.info))
+        self.head_calibration = Calibration()  # head drafts' kept tokens / their chances' sum
 
     def describe(self) -> str:
         kinds = ["drafts from the context (n-gram lookup) where it repeats itself"]

@@ -147,7 +147,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        text = service.scheduler.metrics.prometheus()
+        trainer = service.scheduler.trainer
+        text = service.scheduler.metrics.prometheus(trainer.gauges() if trainer else [])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -23,6 +23,7 @@ import sys
 
 from selfspec.cliargs import add_model_arguments, check_at_least, load_engine, resolve_plan
 from selfspec.errors import SelfSpecError
+from selfspec.server.learning import ADOPT_RULES, IdleTraining
 
 DESCRIPTION = __doc__
 DEFAULT_PORT = 8000
@@ -105,6 +106,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "train-heads --from-history`, so the model's draft heads learn from its use; off by "
         "default, since the record holds what clients sent",
     )
+    defaults = IdleTraining()
+    parser.add_argument(
+        "--train-idle",
+        action="store_true",
+        help="with --learn: train the model's draft heads on that record while no request runs "
+        "(a process of its own, stopped while requests are served); heads that decode faster "
+        "replace the model's",
+    )
+    parser.add_argument(
+        "--train-after",
+        type=int,
+        default=defaults.after_tokens,
+        metavar="TOKENS",
+        help="answer tokens recorded since the last training before the next one "
+        f"(default {defaults.after_tokens})",
+    )
+    parser.add_argument(
+        "--train-idle-seconds",
+        type=float,
+        default=defaults.idle_seconds,
+        help="seconds without a request before training starts (default "
+        f"{defaults.idle_seconds:g})",
+    )
+    parser.add_argument(
+        "--train-budget",
+        type=float,
+        default=defaults.budget_minutes,
+        metavar="MINUTES",
+        help=f"time one training may take, pauses aside (default {defaults.budget_minutes:g})",
+    )
+    parser.add_argument(
+        "--train-adopt",
+        choices=ADOPT_RULES,
+        default=defaults.adopt,
+        help="faster: trained heads replace the model's only if they decoded held-out use faster "
+        "than the heads before them, than none and than plain decoding; always: whenever a "
+        "training finishes (the drafter still uses them only where they pay) (default "
+        f"{defaults.adopt})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,8 +169,15 @@ def run(args: argparse.Namespace) -> int:
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
     history = History.for_model(engine.loaded.name) if args.learn else None
+    trainer = idle_trainer(args, engine, history)
     scheduler = Scheduler(
-        engine, drafter, args.queue_size, args.max_batch, args.prefix_cache_mb << 20, history
+        engine,
+        drafter,
+        args.queue_size,
+        args.max_batch,
+        args.prefix_cache_mb << 20,
+        history,
+        trainer,
     )
     limits = Limits(args.max_tokens, args.max_tokens_cap, args.max_body_kb << 10, args.api_key)
     service = Service(engine, scheduler, args.served_name or args.model, limits)
@@ -143,11 +190,14 @@ def run(args: argparse.Namespace) -> int:
         )
     app = create_app(service)
     app.router.on_shutdown.append(scheduler.stop)
+    if trainer is not None:
+        app.router.on_shutdown.append(trainer.stop)
     print(
         f"[selfspec] serving {service.model_name} ({engine.loaded.speed}) on "
         f"http://{args.host}:{args.port}/v1"
         f"{' (API key required)' if args.api_key else ''}; {drafter.describe()}"
-        f"{f'; recording use in {history.path}' if history else ''}",
+        f"{f'; recording use in {history.path}' if history else ''}"
+        f"{', training the draft heads on it while idle' if trainer else ''}",
         file=sys.stderr,
         flush=True,
     )
@@ -195,3 +245,27 @@ class _Terminated(Exception):
 
 def _terminated(_signum, _frame):
     raise _Terminated
+
+
+def idle_trainer(args: argparse.Namespace, engine, history):
+    """The idle training ``--train-idle`` asks for (None without it), its options checked."""
+    from selfspec.server.learning import IdleTrainer
+
+    if not args.train_idle:
+        return None
+    if history is None:
+        raise SelfSpecError("--train-idle trains on the record --learn keeps: add --learn")
+    check_at_least("--train-after", args.train_after, 1)
+    check_at_least("--train-idle-seconds", args.train_idle_seconds, 0)
+    if not args.train_budget > 0:
+        raise SelfSpecError(f"--train-budget must be a positive number of minutes, got "
+                            f"{args.train_budget:g}")  # fmt: skip
+    settings = IdleTraining(
+        args.train_after, args.train_idle_seconds, args.train_budget, args.train_adopt
+    )
+    # the training process loads the model as the server did
+    model_args = ["--model", args.model, "--device", args.device, "--speed", engine.loaded.speed]
+    if args.dtype:
+        model_args += ["--dtype", args.dtype]
+    hidden = engine.runner.model.config.hidden_size
+    return IdleTrainer(engine.loaded.name, model_args, history, settings, hidden)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from selfspec.engine import Engine
     from selfspec.runtime.batch import Sequence
     from selfspec.runtime.decode import DecodeConfig
+    from selfspec.server.learning import IdleTrainer
     from selfspec.training.history import History
 
 
@@ -95,7 +96,8 @@ class Metrics:
     prefix_cache_bytes: int = 0
     prefix_cache_evictions: int = 0
 
-    def prometheus(self) -> str:
+    def prometheus(self, extra: list[tuple] = ()) -> str:
+        """The counters and gauges, and ``extra`` rows (name, kind, help, value) after them."""
         speed = self.completion_tokens / self.busy if self.busy else 0.0
         acceptance = self.accepted / self.drafted if self.drafted else 0.0
         mal = self.completion_tokens / self.target_passes if self.target_passes else 0.0
@@ -156,7 +158,7 @@ class Metrics:
             ),
         ]
         lines = []
-        for name, kind, help_text, value in rows:
+        for name, kind, help_text, value in rows + list(extra):
             lines += [
                 f"# HELP selfspec_{name} {help_text}",
                 f"# TYPE selfspec_{name} {kind}",
@@ -207,12 +209,14 @@ class Scheduler:
         max_batch: int = 8,
         prefix_cache_bytes: int = 0,
         history: History | None = None,
+        trainer: IdleTrainer | None = None,
     ):
         from selfspec.drafters.batched import BatchDrafter
         from selfspec.runtime.prefixes import PrefixStore
 
         self.engine, self.drafter = engine, drafter
         self.history = history  # finished requests are recorded there for the heads to learn
+        self.trainer = trainer  # trains the heads on that record while no request runs
         # shares the solo drafter's pass costs and context-draft acceptance
         self.batch_drafter = BatchDrafter.following(drafter) if drafter is not None else None
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -270,9 +274,14 @@ class Scheduler:
     # -- the worker thread ------------------------------------------------------------------
     def _work(self) -> None:
         while True:
+            if self.trainer is not None and not self.batch and self.jobs.empty():
+                self.trainer.idle()
             new = self._take(wait=not self.batch)
             if new is None:
                 return
+            if self.trainer is not None:
+                self.trainer.busy()
+                self._take_up_heads()
             busy_from = time.perf_counter()
             if not self.batch and len(new) == 1:
                 self._solo(new[0])
@@ -283,6 +292,17 @@ class Scheduler:
                 self._step()
             self._count(busy=time.perf_counter() - busy_from)
             self._gauges()
+
+    def _take_up_heads(self) -> None:
+        """Draft with heads the idle training adopted; between generations, so a request drafts
+        with one set of heads from start to end."""
+        from selfspec.drafters.heads import HeadDrafter
+
+        heads = self.trainer.take_heads()
+        if heads is not None and hasattr(self.drafter, "use_heads"):
+            runner = self.engine.runner
+            self.drafter.use_heads(HeadDrafter(runner, heads, self.engine.eos_ids()))
+            print(f"[selfspec] drafting with the new heads: {heads.describe()}", file=sys.stderr)
 
     def _take(self, wait: bool) -> list[Job] | None:
         """Queued jobs, as many as the batch has room for (waiting for one when ``wait``); None
@@ -450,6 +470,8 @@ class Scheduler:
         if self.history is not None:  # before the reply: a client that reads it finds it
             try:
                 self.history.record(job.prompt_ids, answer)
+                if self.trainer is not None:
+                    self.trainer.recorded(len(answer))
             except (OSError, SelfSpecError) as exc:  # a full disk ends the record, never the server
                 print(f"[selfspec] not recording use any more: {exc}", file=sys.stderr)
                 self.history = None
