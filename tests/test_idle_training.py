@@ -52,9 +52,9 @@ def wait_for(server, name: str, value: float, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while gauge(server, name) != value:
         assert server["process"].poll() is None, server["log"].read_text()
-        assert time.monotonic() < deadline, f"{name} never reached {value}\n" + server[
-            "log"
-        ].read_text()
+        assert time.monotonic() < deadline, (
+            f"{name} never reached {value}\n" + server["log"].read_text()
+        )
         time.sleep(0.5)
 
 
@@ -118,7 +118,8 @@ def test_the_server_trains_heads_while_idle_and_output_stays_the_same(training_s
     deadline = time.monotonic() + 10
     while Path(f"/proc/{training}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not Path(f"/proc/{training}").exists() or "Z" in Path(
-        f"/proc/{training}/stat"
-    ).read_text().rsplit(")", 1)[1].split()[0]
+    assert (
+        not Path(f"/proc/{training}").exists()
+        or "Z" in Path(f"/proc/{training}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    )
     assert heads.is_file()  # the model's heads stay as they were

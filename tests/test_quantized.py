@@ -69,20 +69,20 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(
         dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
     )
     decoded = blocks.decode(raw, type_name, rows)
-    wq = quantized.pack(decoded)
+    wq, format = quantized.pack(decoded), quantized.packed_format(decoded)
     kernel = load_kernel()
     assert torch.equal(
-        kernel.dequantize_panels(wq, decoded.format, decoded.group, columns), pack_weight(reference)
+        kernel.dequantize_panels(wq, format, decoded.group, columns), pack_weight(reference)
     )
     packed = pack_weight(reference)
     bias = torch.randn(rows)
     x = torch.randn(KERNEL_MAX_ROWS, columns)
     for m in (1, 2, 3, 4, 5, 7, 8, 12, 13, 17, KERNEL_MAX_ROWS):
-        got = kernel.quant_linear(x[:m], wq, decoded.format, decoded.group, bias)
+        got = kernel.quant_linear(x[:m], wq, format, decoded.group, bias)
         assert torch.equal(got, kernel.packed_linear(x[:m], packed, bias)), (type_name, m)
         # rows do not depend on each other: a verify pass gives each token a one-token pass's result
         assert torch.equal(
-            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], wq, decoded.format, decoded.group, bias)
+            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], wq, format, decoded.group, bias)
         )
 
 
@@ -105,7 +105,7 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     rows, columns = 192, 1536
     raw = random_blocks(type_name, rows, columns, seed=7 + len(type_name))
     decoded = blocks.decode(raw, type_name, rows)
-    wq = quantized.pack(decoded, vnni=True)
+    wq, format = quantized.pack(decoded, vnni=True), quantized.packed_format(decoded)
     weight = torch.from_numpy(decoded.weights(0, rows)).double()
     kernel = load_kernel()
     bias = torch.randn(rows)
@@ -113,22 +113,20 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[3, 64:96] = 0  # an all-zero block
     for m in (1, 2, 3, 5, 6, 7, 12, 13, 25, 100):
-        got = kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, False)
-        assert torch.equal(
-            got, kernel.q8_linear(x[:m], wq, decoded.format, decoded.group, bias, True)
-        ), m
+        got = kernel.q8_linear(x[:m], wq, format, decoded.group, bias, False)
+        assert torch.equal(got, kernel.q8_linear(x[:m], wq, format, decoded.group, bias, True)), m
         assert torch.equal(
             got[m - 1 :],
-            kernel.q8_linear(x[m - 1 : m], wq, decoded.format, decoded.group, bias, False),
+            kernel.q8_linear(x[m - 1 : m], wq, format, decoded.group, bias, False),
         )
         expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
         assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m
     # a prefix of the panels (the draft head's vocabulary) is the prefix of the outputs
     assert torch.equal(
-        kernel.q8_linear(x[:5], wq[:4], decoded.format, decoded.group, bias[:64], False),
-        kernel.q8_linear(x[:5], wq, decoded.format, decoded.group, bias, False)[:, :64],
+        kernel.q8_linear(x[:5], wq[:4], format, decoded.group, bias[:64], False),
+        kernel.q8_linear(x[:5], wq, format, decoded.group, bias, False)[:, :64],
     )
-    empty = kernel.q8_linear(x[:0], wq, decoded.format, decoded.group, bias, False)
+    empty = kernel.q8_linear(x[:0], wq, format, decoded.group, bias, False)
     assert empty.shape == (0, rows)
 
 
@@ -212,6 +210,58 @@ def test_nibble_panels_of_4_bit_indices_give_the_byte_layout_s_bits(type_name):
         expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
         for reference in (False, True):
             got = kernel.q8_linear(x[:m], nibbles, format, 32, bias, reference)
+            assert torch.equal(got, expected), (m, reference)
+        assert torch.equal(module(x[:m]), expected)
+        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+
+
+@needs_kernel
+def test_q4_1_panels_hold_the_file_s_half_scales_and_offsets_with_the_same_bits():
+    """Q4_1 as nibble panels with the file's float16 scales and offsets per 32 (5 bits a weight, as
+    the file) gives the bits of float32 ones (6 bits a weight), in both quantized modes."""
+    kernel = load_kernel()
+    rows, columns = 192, 1536
+    decoded = blocks.decode(random_blocks("Q4_1", rows, columns, seed=16), "Q4_1", rows)
+    wider = blocks.Decoded(decoded.q, decoded.scale, decoded.offset, 32, blocks.NIBBLES)
+    assert quantized.packed_format(decoded) == quantized.HALF_OFFSET_NIBBLES
+    assert quantized.packed_format(wider) == blocks.NIBBLES
+    bias = torch.randn(rows)
+    x = torch.randn(13, columns, generator=torch.Generator().manual_seed(7))
+    for vnni, run in ((False, kernel.quant_linear), (True, kernel.q8_linear)):
+        half, full = quantized.pack(decoded, vnni), quantized.pack(wider, vnni)
+        bits = [panels.shape[1] * 8 / (PANEL * columns) for panels in (half, full)]
+        assert bits == [5, 6]
+        for m in (1, 4, 13):
+            args = (32, bias, False) if vnni else (32, bias)
+            got = run(x[:m], half, quantized.HALF_OFFSET_NIBBLES, *args)
+            assert torch.equal(got, run(x[:m], full, blocks.NIBBLES, *args)), (vnni, m)
+
+
+@needs_kernel
+def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
+    """Q5_0 in gguf-q8 as five-bit panels (the file's 5.5 bits a weight instead of the byte
+    layout's 9, where the build has the five-bit tiles): the same integers, so every row's bits
+    equal the byte layout's, tiles and scalar reference alike, and Q8Linear's, which holds them."""
+    kernel = load_kernel()
+    rows, columns = 192, 1536
+    raw = random_blocks("Q5_0", rows, columns, seed=15)
+    decoded = blocks.decode(raw, "Q5_0", rows)
+    assert quantized.has_half_five_bits(decoded) and decoded.q.min() == -16
+    assert not (quantized.has_half_nibbles(decoded) or quantized.has_six_bits(decoded))
+    wq = quantized.pack(decoded, vnni=True)
+    five = quantized.pack_half_five_bits(decoded)
+    assert five.shape[1] == kernel.quant_panel_bytes(quantized.HALF_FIVE_BITS, 32, columns)
+    assert five.shape[1] * 8 / (PANEL * columns) == 5.5
+    bias = torch.randn(rows)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+    x[2, :32] = 0
+    module = quantized.Q8Linear.from_decoded(decoded, "Q5_0", bias, kernel)
+    assert (module.format == quantized.HALF_FIVE_BITS) == kernel.q8_five_bits()
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
+        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
+        for reference in (False, True):
+            got = kernel.q8_linear(x[:m], five, quantized.HALF_FIVE_BITS, 32, bias, reference)
             assert torch.equal(got, expected), (m, reference)
         assert torch.equal(module(x[:m]), expected)
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix

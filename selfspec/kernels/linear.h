@@ -114,7 +114,10 @@ void tile(const float* x, int64_t K, const float* wp, int64_t p0, int64_t k0, in
 
 // Quantized panels: each panel's weights as groups of G consecutive k (G = 16 or 32), each
 // group with its own scale (and offset) per lane:
-//   kNibbles (G = 32; Q4_1): per group float scale[16], float offset[16], uint8 q[16][16].
+//   kNibbles (G = 32; Q4_0 in mode gguf): per group float scale[16], float offset[16], uint8
+//       q[16][16].
+//   kHalfOffsetNibbles (G = 32; Q4_1): per group half d[16], half m[16], uint8 q[16][16]: the
+//       file's 5 bits a weight; scale = d and offset = m, the float32 values of the halves.
 //   kBytes (G = 16 or 32; Q6_K, Q8_0, Q5_0): per group float scale[16], int8 q[G][16].
 //   kSuperNibbles (G = 32; Q4_K): per 256 k, half d[16], half dmin[16], then 8 groups of
 //       uint8 sc[16], uint8 m[16], uint8 q[16][16]; scale = d * sc, offset = -(dmin * m),
@@ -131,10 +134,13 @@ constexpr int kLutNibbles = 4;  // mode gguf-q8 only: see LutLayout
 constexpr int kFiveBits = 5;    // mode gguf-q8 only: see FiveBitLayout
 constexpr int kHalfNibbles = 6;     // mode gguf-q8 only: see HalfLutLayout (Q4_0)
 constexpr int kHalfLutNibbles = 7;  // mode gguf-q8 only: see HalfLutLayout (IQ4_NL)
+constexpr int kHalfFiveBits = 8;    // mode gguf-q8 only: see HalfFiveBitLayout (Q5_0)
+constexpr int kHalfOffsetNibbles = 9;
 
 // Formats mode gguf-q8 alone holds (their own tiles, no float tiles)
 constexpr bool q8_only_format(int64_t format) {
-  return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles;
+  return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles ||
+         format == kHalfFiveBits;
 }
 
 #ifndef SELFSPEC_QPREFETCH
@@ -154,7 +160,9 @@ inline const uint8_t* prefetching(const uint8_t* rec) {
 template <int FORMAT, int G>
 struct Layout {
   static constexpr bool kNibbleQ = FORMAT != kBytes;
-  static constexpr int64_t kGroupHeader = FORMAT == kNibbles ? 8 * kPanel : FORMAT == kBytes ? 4 * kPanel : 2 * kPanel;
+  static constexpr int64_t kGroupHeader = FORMAT == kNibbles                                     ? 8 * kPanel
+                                          : FORMAT == kBytes || FORMAT == kHalfOffsetNibbles ? 4 * kPanel
+                                                                                              : 2 * kPanel;
   static constexpr int64_t kGroupBytes = kGroupHeader + (kNibbleQ ? G / 2 : G) * kPanel;
   static constexpr int64_t kSuperGroups = 256 / G;
   static constexpr int64_t kSuperHeader = 4 * kPanel;  // d and dmin, 16 halves each
@@ -201,6 +209,9 @@ struct Layout {
         }
         scale = vmul(d, u8_to_vec(rec + v * kVec));
         offset = vneg(vmul(dmin, u8_to_vec(rec + kPanel + v * kVec)));
+      } else if constexpr (FORMAT == kHalfOffsetNibbles) {
+        scale = f16_to_vec(rec + 2 * v * kVec);
+        offset = f16_to_vec(rec + 2 * kPanel + 2 * v * kVec);
       } else {
         const float* header = reinterpret_cast<const float*>(rec);
         scale = vload(header + v * kVec);
@@ -275,10 +286,11 @@ struct LutLayout : ScaledSuperBlocks<kPanel + 16 * kPanel, 8> {
 // weight as 4.5 instead of 6 (Q4_0 as kNibbles) or 9 (IQ4_NL as kBytes). Per group of 32 k: half
 // d[16], then kLutNibbles' 4 vectors of nibbles, each an index into the format's 16 levels
 // (q8lut.h: Q4_0's q - 8, IQ4_NL's ggml levels). scale = d (the byte layout's float, exactly).
-struct HalfLutLayout {
+template <int64_t PAYLOAD>
+struct HalfScaledGroups {
   static constexpr bool kHalfScales = true;
   static constexpr int64_t kGroupHeader = 2 * kPanel;
-  static constexpr int64_t kGroupBytes = kGroupHeader + 16 * kPanel;
+  static constexpr int64_t kGroupBytes = kGroupHeader + PAYLOAD;
 
   static int64_t panel_bytes(int64_t K) { return K / 32 * kGroupBytes; }
   static const uint8_t* group(const uint8_t* panel, int64_t gi) { return panel + gi * kGroupBytes; }
@@ -289,15 +301,29 @@ struct HalfLutLayout {
     for (int v = 0; v < kVecPerPanel; ++v) vstore(out + v * kVec, f16_to_vec(group(panel, gi) + 2 * v * kVec));
   }
 };
+using HalfLutLayout = HalfScaledGroups<16 * kPanel>;
+
+// A five-bit group's integers (after its header): 4 vectors of low nibbles (kLutNibbles'
+// arrangement) and one vector of high bits: bit t of byte b is the high bit of byte b's low
+// nibble in vector t, bit 4 + t that of its high nibble.
+struct FiveBitGroup {
+  static constexpr int64_t kLowBytes = 16 * kPanel;
+  static constexpr int64_t kPayload = 20 * kPanel;  // bytes after the header
+
+  // u in [0, 31] of lane j, k = kk of a group record (past its header)
+  static int32_t u(const uint8_t* q, int j, int kk) {
+    const int t = (kk % 16) / 4, b = j * 4 + kk % 4, half = kk < 16 ? 0 : 4;
+    return ((q[t * 64 + b] >> half) & 15) | (((q[kLowBytes + b] >> (half + t)) & 1) << 4);
+  }
+};
 
 // kFiveBits (G = 32; Q5_K in mode gguf-q8): the file's 5.5 bits a weight as 5.63 instead of the
 // Q8_0 layout's 9. Per 256 k: half d[16], half dmin[16]; then 8 groups of uint8 sc[16], uint8
-// m[16], 4 vectors of low nibbles (kLutNibbles' arrangement) and one vector of high bits: bit t of
-// byte b is the high bit of byte b's low nibble in vector t, bit 4 + t that of its high nibble.
-// u = q in [0, 31]; scale = d * sc and offset = -(dmin * m), float32 products as ggml's.
-struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + 20 * kPanel, 8> {
+// m[16] and a FiveBitGroup. u = q in [0, 31]; scale = d * sc and offset = -(dmin * m), float32
+// products as ggml's.
+struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + FiveBitGroup::kPayload, 8>, FiveBitGroup {
+  static constexpr bool kHalfScales = false;
   static constexpr int64_t kGroupHeader = 2 * kPanel;
-  static constexpr int64_t kLowBytes = 16 * kPanel;
 
   static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
     for (int v = 0; v < kVecPerPanel; ++v) {
@@ -307,12 +333,13 @@ struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + 20 * kPanel, 8> {
              vneg(vmul(f16_to_vec(sup + 2 * kPanel + 2 * v * kVec), u8_to_vec(group(panel, gi) + kPanel + v * kVec))));
     }
   }
-  // u of lane j, k = kk of a group record (past its header)
-  static int32_t u(const uint8_t* q, int j, int kk) {
-    const int t = (kk % 16) / 4, b = j * 4 + kk % 4, half = kk < 16 ? 0 : 4;
-    return ((q[t * 64 + b] >> half) & 15) | (((q[kLowBytes + b] >> (half + t)) & 1) << 4);
-  }
 };
+
+// kHalfFiveBits (G = 32; Q5_0 in mode gguf-q8): the file's 5.5 bits a weight as 5.5 instead of the
+// byte layout's 9. Per group of 32 k: half d[16], then a FiveBitGroup of u = q + 16 in [0, 31].
+// scale = d (the byte layout's float, exactly); the tiles subtract 16 * S from the integer sum, so
+// they give the byte layout's integers.
+struct HalfFiveBitLayout : HalfScaledGroups<FiveBitGroup::kPayload>, FiveBitGroup {};
 
 #if defined(__AVX512BW__) && defined(__AVX512F__)
 // Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
@@ -602,11 +629,12 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
-  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0 and IQ4_NL panels have q8 tiles only");
+  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL and Q5_0 panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});
   if (format == kNibbles) return f(integral_constant<int, kNibbles>{}, integral_constant<int, 32>{});
+  if (format == kHalfOffsetNibbles) return f(integral_constant<int, kHalfOffsetNibbles>{}, integral_constant<int, 32>{});
   if (group == 16) return f(integral_constant<int, kBytes>{}, integral_constant<int, 16>{});
   return f(integral_constant<int, kBytes>{}, integral_constant<int, 32>{});
 }

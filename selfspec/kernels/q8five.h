@@ -1,21 +1,26 @@
 #pragma once
 
-// Speed mode gguf-q8, Q5_K as five-bit panels (FiveBitLayout, linear.h): the file's 5.5 bits a
-// weight as 5.63, where it used to be laid out as Q8_0 (9). The formula is the Q4_K panels' with
-// u in [0, 31]: I = sum u * a, y += I * scale * d, y += offset * d * S.
+// Speed mode gguf-q8, five-bit panels: Q5_K (FiveBitLayout, linear.h: the file's 5.5 bits a weight
+// as 5.63 instead of Q8_0's 9) and Q5_0 (HalfFiveBitLayout: 5.5 instead of the byte layout's 9).
+// Q5_K's formula is the Q4_K panels' with u in [0, 31]: I = sum u * a, y += I * scale * d,
+// y += offset * d * S. Q5_0's is the byte layout's: I = sum u * a - 16 * S = sum q * a,
+// y += I * scale * d, so its tiles give the byte layout's bits.
 
 #include "q8.h"
 
 namespace selfspec {
 
-inline void q8five_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                                   float* y, int64_t N, const float* bias) {
-  using L = FiveBitLayout;
+template <typename L>
+void q8five_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                            int64_t N, const float* bias) {
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += 32) {
       alignas(64) float scale[kPanel], offset[kPanel];
-      L::scale_arrays(panel, g0 / 32, scale, offset);
+      if constexpr (L::kHalfScales)
+        L::scale_array(panel, g0 / 32, scale);
+      else
+        L::scale_arrays(panel, g0 / 32, scale, offset);
       const uint8_t* q = L::group(panel, g0 / 32) + L::kGroupHeader;
       const int8_t* am = a.q + m * K + g0;
       const float d = a.d[m * (K / kActBlock) + g0 / kActBlock];
@@ -23,8 +28,12 @@ inline void q8five_reference_panel(const QuantizedRows& a, int64_t M, int64_t K,
       for (int j = 0; j < kPanel; ++j) {
         int32_t I = 0;
         for (int kk = 0; kk < 32; ++kk) I += L::u(q, j, kk) * am[kk];
-        acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
-        acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+        if constexpr (L::kHalfScales) {
+          acc[j] = std::fma(static_cast<float>(I - 16 * S), scale[j] * d, acc[j]);
+        } else {
+          acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
+          acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+        }
       }
     }
     for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
@@ -56,24 +65,28 @@ inline void five_bit_step(const uint8_t* q, __m512i high, const int32_t* a_lo, c
   }
 }
 
-// As q8tile over five-bit panels: rows [0, ROWS) times panel p.
-template <int ROWS>
-void q8five_tile(const int32_t* quads, const float* d_t, const void* ds32_v, int64_t M, int64_t K,
+// As q8tile over five-bit panels: rows [0, ROWS) times panel p. sums: per group and row, d * S
+// (Q5_K's offsets, float) or S (Q5_0's, int32).
+template <typename L, int ROWS>
+void q8five_tile(const int32_t* quads, const float* d_t, const void* sums, int64_t M, int64_t K,
                  const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = FiveBitLayout;
-  const float* ds32 = static_cast<const float*>(ds32_v);
   const uint8_t* panel = wq + p * L::panel_bytes(K);
   __m512 acc[ROWS], d_super = _mm512_setzero_ps(), dmin_super = _mm512_setzero_ps();
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 32) {
     const int64_t gi = g0 / 32;
-    if (gi % L::kSuperGroups == 0) {
-      d_super = f16_to_vec(L::super(panel, gi));
-      dmin_super = f16_to_vec(L::super(panel, gi) + 2 * kPanel);
-    }
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m512 scale = _mm512_mul_ps(d_super, u8_to_vec(rec));
-    const __m512 offset = vneg(_mm512_mul_ps(dmin_super, u8_to_vec(rec + kPanel)));
+    __m512 scale, offset = _mm512_setzero_ps();
+    if constexpr (L::kHalfScales) {
+      scale = f16_to_vec(rec);
+    } else {
+      if (gi % L::kSuperGroups == 0) {
+        d_super = f16_to_vec(L::super(panel, gi));
+        dmin_super = f16_to_vec(L::super(panel, gi) + 2 * kPanel);
+      }
+      scale = _mm512_mul_ps(d_super, u8_to_vec(rec));
+      offset = vneg(_mm512_mul_ps(dmin_super, u8_to_vec(rec + kPanel)));
+    }
     const uint8_t* q = rec + L::kGroupHeader;
     const __m512i high = _mm512_loadu_si512(q + L::kLowBytes);
     __m512i dot[ROWS];
@@ -85,28 +98,35 @@ void q8five_tile(const int32_t* quads, const float* d_t, const void* ds32_v, int
     five_bit_step<ROWS, 2>(q, high, a_lo, a_hi, dot);
     five_bit_step<ROWS, 3>(q, high, a_lo, a_hi, dot);
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const float* cg = ds32 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
+      if constexpr (L::kHalfScales) {
+        const int32_t* sg = static_cast<const int32_t*>(sums) + gi * ROWS;
+        dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(16 * sg[r]));
+      }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(cg[r]), acc[r]);
+      if constexpr (!L::kHalfScales) {
+        const float* cg = static_cast<const float*>(sums) + gi * ROWS;
+        acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(cg[r]), acc[r]);
+      }
     }
   }
   store_tile(acc, y, N, p, bias);
 }
 
-template <int... R>
+template <typename L, int... R>
 constexpr std::array<Q8TileFn, sizeof...(R)> q8five_table(std::integer_sequence<int, R...>) {
-  return {&q8five_tile<R + 1>...};
+  return {&q8five_tile<L, R + 1>...};
 }
 
-inline void q8five_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
-                             float* y, int64_t N, const float* bias) {
-  static constexpr auto table = q8five_table(std::make_integer_sequence<int, kVnniRows>{});
-  q8_run_tiles(table.data(), a, a.ds32, K / 32, M, K, wq, p_begin, y, N, bias);
+template <typename L>
+void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
+                   int64_t N, const float* bias) {
+  static constexpr auto table = q8five_table<L>(std::make_integer_sequence<int, kVnniRows>{});
+  const void* sums = L::kHalfScales ? static_cast<const void*>(a.s32) : static_cast<const void*>(a.ds32);
+  q8_run_tiles(table.data(), a, sums, K / 32, M, K, wq, p_begin, y, N, bias);
 }
 
-constexpr Q8PanelFn kFiveBitVector = &q8five_run_group;
 constexpr bool kHaveFiveBitTiles = true;
 #elif defined(__AVX2__)
 
@@ -140,24 +160,29 @@ inline void five_bit_step_avx2(const uint8_t* q, __m256i ha, __m256i hb, const i
   }
 }
 
-template <int ROWS>
-void q8five_tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int64_t M, int64_t K,
+template <typename L, int ROWS>
+void q8five_tile_avx2(const int32_t* quads, const float* d_t, const void* sums, int64_t M, int64_t K,
                       const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = FiveBitLayout;
   __m256 acc[ROWS][2], d_super[2], dmin_super[2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 32) {
     const int64_t gi = g0 / 32;
-    if (gi % L::kSuperGroups == 0)
-      for (int h = 0; h < 2; ++h) {
-        d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
-        dmin_super[h] = f16x8(L::super(panel, gi) + 2 * kPanel + 16 * h);
-      }
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], u8x8(rec)), _mm256_mul_ps(d_super[1], u8x8(rec + 8))};
-    const __m256 offset[2] = {neg8(_mm256_mul_ps(dmin_super[0], u8x8(rec + kPanel))),
-                              neg8(_mm256_mul_ps(dmin_super[1], u8x8(rec + kPanel + 8)))};
+    __m256 scale[2], offset[2];
+    if constexpr (L::kHalfScales) {
+      scale[0] = f16x8(rec), scale[1] = f16x8(rec + 16);
+    } else {
+      if (gi % L::kSuperGroups == 0)
+        for (int h = 0; h < 2; ++h) {
+          d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
+          dmin_super[h] = f16x8(L::super(panel, gi) + 2 * kPanel + 16 * h);
+        }
+      for (int h = 0; h < 2; ++h) {
+        scale[h] = _mm256_mul_ps(d_super[h], u8x8(rec + 8 * h));
+        offset[h] = neg8(_mm256_mul_ps(dmin_super[h], u8x8(rec + kPanel + 8 * h)));
+      }
+    }
     const uint8_t* q = rec + L::kGroupHeader;
     const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
     const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
@@ -171,45 +196,58 @@ void q8five_tile_avx2(const int32_t* quads, const float* d_t, const float* ds32,
     five_bit_step_avx2<ROWS, 2>(q, ha, hb, a_lo, a_hi, dot);
     five_bit_step_avx2<ROWS, 3>(q, ha, hb, a_lo, a_hi, dot);
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const float* cg = ds32 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
+        if constexpr (L::kHalfScales) {
+          const int32_t S = static_cast<const int32_t*>(sums)[gi * ROWS + r];
+          dot[r][h] = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(16 * S));
+        }
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(scale[h], vd), acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(offset[h], _mm256_set1_ps(cg[r]), acc[r][h]);
+        if constexpr (!L::kHalfScales) {
+          const float dS = static_cast<const float*>(sums)[gi * ROWS + r];
+          acc[r][h] = _mm256_fmadd_ps(offset[h], _mm256_set1_ps(dS), acc[r][h]);
+        }
       }
     }
   }
   store_panel_rows<ROWS>(acc, y, N, p, bias);
 }
 
-inline void q8five_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                              float* y, int64_t N, const float* bias) {
+template <typename L>
+void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                   int64_t N, const float* bias) {
   constexpr int kRows = kAvx2Rows;
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8five_tile_avx2<4>
-                 : rows == 3 ? &q8five_tile_avx2<3>
-                 : rows == 2 ? &q8five_tile_avx2<2>
-                             : &q8five_tile_avx2<1>;
-    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, a.ds32 + K / kActBlock * m0, M, K, panel, p,
-         y + m0 * N, N, bias);
+    auto* tile = rows == 4   ? &q8five_tile_avx2<L, 4>
+                 : rows == 3 ? &q8five_tile_avx2<L, 3>
+                 : rows == 2 ? &q8five_tile_avx2<L, 2>
+                             : &q8five_tile_avx2<L, 1>;
+    // per group and row: S (Q5_0, int32) or d * S (Q5_K's offsets, float), a word each
+    const void* sums = L::kHalfScales ? static_cast<const void*>(a.s32 + K / 32 * m0)
+                                      : static_cast<const void*>(a.ds32 + K / kActBlock * m0);
+    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, sums, M, K, panel, p, y + m0 * N, N, bias);
   }
 }
 
-constexpr Q8PanelFn kFiveBitVector = &q8five_panel_avx2;
 constexpr bool kHaveFiveBitTiles = true;
 #else
-constexpr Q8PanelFn kFiveBitVector = &q8five_reference_panel;
+template <typename L>
+void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                   int64_t N, const float* bias) {
+  q8five_reference_panel<L>(a, M, K, panel, p, y, N, bias);
+}
 constexpr bool kHaveFiveBitTiles = false;
 #endif
 
-// Five-bit panels: the VNNI or AVX2 tiles, or the scalar reference.
-inline void q8five_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
-                            const float* bias, bool reference) {
-  q8_layout_unit<&FiveBitLayout::panel_bytes, &q8five_reference_panel, kFiveBitVector>(a, wq, g, y, N, bias, reference);
+// Five-bit panels of layout L: the VNNI or AVX2 tiles, or the scalar reference.
+template <typename L>
+void q8five_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N, const float* bias,
+                     bool reference) {
+  q8_layout_unit<&L::panel_bytes, &q8five_reference_panel<L>, &q8five_vector<L>>(a, wq, g, y, N, bias, reference);
 }
 
 }  // namespace selfspec

@@ -20,6 +20,8 @@ from selfspec.errors import SelfSpecError
 # kernel formats (kernels/linear.h); those from SIX_BITS on in mode gguf-q8 only
 NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS, LUT_NIBBLES, FIVE_BITS = 0, 1, 2, 3, 4, 5
 HALF_NIBBLES, HALF_LUT_NIBBLES = 6, 7  # Q4_0's and IQ4_NL's indices and float16 scales
+HALF_FIVE_BITS = 8  # Q5_0's five bits and float16 scales
+HALF_OFFSET_NIBBLES = 9  # Q4_1's nibbles, float16 scales and offsets
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -31,7 +33,8 @@ class Decoded:
     their float32 products:
     scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
     Q6_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d [N, K // 256]
-    float16, sc int8. Q4_0 and IQ4_NL keep their float16 d [N, K // 32] as their one factor."""
+    float16, sc int8. Q4_0, IQ4_NL and Q5_0 keep their float16 d [N, K // 32] as their one
+    factor, Q4_1 its float16 d and m."""
 
     q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
     scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
@@ -122,9 +125,10 @@ def _q5_k(raw, rows):
 
 def _q4_1(raw, rows):
     b = _blocks(raw, 20)  # d f16, m f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)
-    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 4:])
-    return Decoded(q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1), 32, NIBBLES)
+    d, m = _half(b[:, 0:2]).reshape(rows, -1), _half(b[:, 2:4]).reshape(rows, -1)
+    q = _nibbles(b[:, 4:]).reshape(rows, -1)
+    # the float16 d and m kept for the panels (HALF_OFFSET_NIBBLES: the file's 5 bits a weight)
+    return Decoded(q, d.astype(np.float32), m.astype(np.float32), 32, NIBBLES, (d, m))
 
 
 def _q6_k(raw, rows):
@@ -151,7 +155,8 @@ def _q5_0(raw, rows):
     b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
     high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
     q = (_nibbles(b[:, 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-    return Decoded(q.reshape(rows, -1), _f16(b[:, 0:2]).reshape(rows, -1), None, 32, BYTES)
+    half = _half(b[:, 0:2]).reshape(rows, -1)  # kept for gguf-q8's five-bit panels
+    return Decoded(q.reshape(rows, -1), half.astype(np.float32), None, 32, BYTES, (half,))
 
 
 def _q4_0(raw, rows):

@@ -16,8 +16,9 @@ the float32 model's (see ``selfspec.speed.modes``).
 Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale factors), Q4_1
 and Q4_0 (4-bit, float scale and offset per 32), Q6_K (int8 per 16, or six bits where the build
 has the six-bit tiles: both modes on AVX-512), Q3_K (int8 per 16), Q8_0, Q5_0, IQ4_NL and IQ4_XS
-(int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and Q4_0 as their 4-bit indices and Q5_K as
-five-bit panels (``pack_lut_nibbles``, ``pack_half_nibbles``, ``pack_five_bits``); other types
+(int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and Q4_0 as their 4-bit indices and Q5_K and
+Q5_0 as five-bit panels (``pack_lut_nibbles``, ``pack_half_nibbles``, ``pack_five_bits``,
+``pack_half_five_bits``); other types
 gguf reads are laid out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32
 (they are not streamed per step).
 """
@@ -38,8 +39,10 @@ from selfspec.speed.blocks import (
     BYTES,
     DECODERS,
     FIVE_BITS,
+    HALF_FIVE_BITS,
     HALF_LUT_NIBBLES,
     HALF_NIBBLES,
+    HALF_OFFSET_NIBBLES,
     LUT_NIBBLES,
     NIBBLES,
     Q8_DECODERS,
@@ -159,19 +162,51 @@ def pack_half_nibbles(decoded: Decoded) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(groups.reshape(groups.shape[0], -1)), format
 
 
-def pack_five_bits(decoded: Decoded) -> torch.Tensor:
-    """Q5_K in the kernel's FIVE_BITS layout (kernels/linear.h, FiveBitLayout): per 256 k, d and
-    dmin; per group of 32 k, sc, m, the low nibbles in gguf-q8's nibble arrangement and the high
-    bits (bit t of byte b: that of byte b's low nibble in vector t; bit 4 + t: its high one's)."""
-    panels, groups = decoded.q.shape[0] // PANEL, decoded.q.shape[1] // 32
-    low = _q_vnni_arrangement(Decoded(decoded.q & 15, None, None, 32, NIBBLES))
-    high = (decoded.q >> 4).reshape(panels, PANEL, groups, 2, 4, 4)  # lane, group, half, t, k % 4
+def _five_bit_groups(u: np.ndarray) -> np.ndarray:
+    """u [N, K] in [0, 31] -> [P, K // 32, 320]: each group's low nibbles in gguf-q8's nibble
+    arrangement and its high bits (bit t of byte b: that of byte b's low nibble in vector t; bit
+    4 + t: its high one's), kernels/linear.h's FiveBitGroup."""
+    panels, groups = u.shape[0] // PANEL, u.shape[1] // 32
+    low = _q_vnni_arrangement(Decoded(u & 15, None, None, 32, NIBBLES))
+    high = (u >> 4).reshape(panels, PANEL, groups, 2, 4, 4)  # lane, group, half, t, k % 4
     high = high.transpose(0, 2, 1, 5, 3, 4)  # [P, group, lane, k % 4, half, t]
     shifts = (np.arange(4, dtype=np.uint8) + np.array([[0], [4]], np.uint8)).astype(np.uint8)
     high = (high << shifts).sum(axis=(4, 5), dtype=np.uint8).reshape(panels, groups, 64)
+    return np.concatenate([low, high], axis=2)
+
+
+def pack_five_bits(decoded: Decoded) -> torch.Tensor:
+    """Q5_K in the kernel's FIVE_BITS layout (kernels/linear.h, FiveBitLayout): per 256 k, d and
+    dmin; per group of 32 k, sc, m and its five-bit integers."""
     d, dmin, sc, m = decoded.factors
-    groups_record = np.concatenate([_lanes_last(sc), _lanes_last(m), low, high], axis=2)
+    payload = _five_bit_groups(decoded.q)
+    groups_record = np.concatenate([_lanes_last(sc), _lanes_last(m), payload], axis=2)
     return _superblocks(groups_record, d, dmin)
+
+
+def has_half_five_bits(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is Q5_0, which ``pack_half_five_bits`` lays out."""
+    return decoded.levels is None and decoded.factors is not None and len(decoded.factors) == 1
+
+
+def pack_half_five_bits(decoded: Decoded) -> torch.Tensor:
+    """Q5_0 in the kernel's HALF_FIVE_BITS layout (kernels/linear.h, HalfFiveBitLayout): per group
+    of 32 k, d and the five-bit integers u = q + 16."""
+    (d,) = decoded.factors
+    u = (decoded.q.astype(np.int16) + 16).astype(np.uint8)
+    groups = np.concatenate([_lanes_last(d).view(np.uint8), _five_bit_groups(u)], axis=2)
+    return torch.from_numpy(groups.reshape(groups.shape[0], -1))
+
+
+def has_half_offsets(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is Q4_1, which ``pack`` lays out with its float16 scales and offsets
+    (HALF_OFFSET_NIBBLES)."""
+    return decoded.format == NIBBLES and decoded.factors is not None and len(decoded.factors) == 2
+
+
+def packed_format(decoded: Decoded) -> int:
+    """The kernel format ``pack`` lays ``decoded`` out in."""
+    return HALF_OFFSET_NIBBLES if has_half_offsets(decoded) else decoded.format
 
 
 def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
@@ -182,6 +217,9 @@ def pack(decoded: Decoded, vnni: bool = False) -> torch.Tensor:
     if decoded.format == SUPER_NIBBLES:  # per 256 k: d, dmin; per group: sc, m, q
         d, dmin, sc, m = decoded.factors
         return _superblocks(np.concatenate([_lanes_last(sc), _lanes_last(m), q], axis=2), d, dmin)
+    if has_half_offsets(decoded):  # per group: half d, half m, q
+        halves = [_lanes_last(f).view(np.uint8) for f in decoded.factors]
+        return torch.from_numpy(np.concatenate([*halves, q], axis=2).reshape(panels, -1))
     header = [_lanes_last(decoded.scale).view(np.uint8)]
     if decoded.format == NIBBLES:
         header.append(_lanes_last(decoded.offset).view(np.uint8))
@@ -233,11 +271,13 @@ class QuantLinear(nn.Module):
             if has_lut_nibbles(decoded):
                 return pack_lut_nibbles(decoded), LUT_NIBBLES, 32
             return (*pack_half_nibbles(decoded), 32)
+        if cls.vnni and has_half_five_bits(decoded) and kernel.q8_five_bits():
+            return pack_half_five_bits(decoded), HALF_FIVE_BITS, 32
         if decoded.format == FIVE_BITS:
             if kernel.q8_five_bits():
                 return pack_five_bits(decoded), FIVE_BITS, 32
             decoded = round_q8_0(decoded.weights(0, len(decoded.q)))  # no tiles in this build
-        return pack(decoded, vnni=cls.vnni), decoded.format, decoded.group
+        return pack(decoded, vnni=cls.vnni), packed_format(decoded), decoded.group
 
     @classmethod
     def from_decoded(cls, decoded: Decoded, type_name: str, bias: torch.Tensor | None, kernel):
