@@ -14,17 +14,12 @@ from pathlib import Path
 
 import pytest
 from live_server import ENV, MODEL, openai_client, serving
+from test_history import PROMPTS as HISTORY_PROMPTS
 
 from selfspec.paths import cache_dir
 from selfspec.server.learning import heads_pay
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "The capital of France is",
-    "Write a haiku about rain.\n",
-    "import numpy as np\n\n",
-    "Q: What is 12 times 7?\nA:",
-]
+PROMPTS = HISTORY_PROMPTS[:5]
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,26 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     assert empty.shape == (0, rows)
 
 
+def tile_activations(seed: int) -> torch.Tensor:
+    """100 rows of varied scale, one with an all-zero block: enough for every tile shape."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(100, 1536, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+    x[2, :32] = 0
+    return x
+
+
+def assert_byte_layout_bits(kernel, x, byte_panels, panels, format, group, bias, module) -> None:
+    """``panels`` of ``format`` give the byte layout's bits at every tile shape, whole and cut
+    short, tiles and scalar reference alike; so does ``module``, which holds them."""
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):
+        expected = kernel.q8_linear(x[:m], byte_panels, blocks.BYTES, group, bias, False)
+        for reference in (False, True):
+            got = kernel.q8_linear(x[:m], panels, format, group, bias, reference)
+            assert torch.equal(got, expected), (m, reference)
+        assert torch.equal(module(x[:m]), expected)
+        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+
+
 @needs_kernel
 def test_six_bit_panels_give_the_byte_layout_s_bits():
     """Q6_K in gguf-q8 as six-bit panels (where the build has their tiles): two thirds of the
@@ -145,19 +165,11 @@ def test_six_bit_panels_give_the_byte_layout_s_bits():
     assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # the file's own size
     assert wq.shape[1] * 8 / (PANEL * columns) == 10
     bias = torch.randn(rows)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
-    x[2, :32] = 0
     module = quantized.Q8Linear.from_decoded(decoded, "Q6_K", bias, kernel)
     assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
     assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
-    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every VNNI tile shape, whole and cut short
-        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 16, bias, False)
-        for reference in (False, True):
-            got = kernel.q8_linear(x[:m], six, quantized.SIX_BITS, 16, bias, reference)
-            assert torch.equal(got, expected), (m, reference)
-        assert torch.equal(module(x[:m]), expected)
-        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+    x = tile_activations(3)
+    assert_byte_layout_bits(kernel, x, wq, six, quantized.SIX_BITS, 16, bias, module)
 
 
 # 4-bit indices held as nibble panels in gguf-q8: (format, bits a weight there, in the byte layout)
@@ -201,18 +213,9 @@ def test_nibble_panels_of_4_bit_indices_give_the_byte_layout_s_bits(type_name):
     assert nibbles.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
     assert wq.shape[1] * 8 / (PANEL * columns) == byte_bits
     bias = torch.randn(rows)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
-    x[2, :32] = 0
     module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
     assert (module.format == format) == kernel.q8_lut_nibbles()
-    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
-        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
-        for reference in (False, True):
-            got = kernel.q8_linear(x[:m], nibbles, format, 32, bias, reference)
-            assert torch.equal(got, expected), (m, reference)
-        assert torch.equal(module(x[:m]), expected)
-        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+    assert_byte_layout_bits(kernel, tile_activations(4), wq, nibbles, format, 32, bias, module)
 
 
 @needs_kernel
@@ -253,18 +256,10 @@ def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
     assert five.shape[1] == kernel.quant_panel_bytes(quantized.HALF_FIVE_BITS, 32, columns)
     assert five.shape[1] * 8 / (PANEL * columns) == 5.5
     bias = torch.randn(rows)
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
-    x[2, :32] = 0
     module = quantized.Q8Linear.from_decoded(decoded, "Q5_0", bias, kernel)
     assert (module.format == quantized.HALF_FIVE_BITS) == kernel.q8_five_bits()
-    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
-        expected = kernel.q8_linear(x[:m], wq, blocks.BYTES, 32, bias, False)
-        for reference in (False, True):
-            got = kernel.q8_linear(x[:m], five, quantized.HALF_FIVE_BITS, 32, bias, reference)
-            assert torch.equal(got, expected), (m, reference)
-        assert torch.equal(module(x[:m]), expected)
-        assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
+    x = tile_activations(6)
+    assert_byte_layout_bits(kernel, x, wq, five, quantized.HALF_FIVE_BITS, 32, bias, module)
 
 
 @needs_kernel
