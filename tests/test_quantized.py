@@ -32,12 +32,9 @@ BLOCKS = {
     "IQ4_XS": (256, 136, (0,)),
 }
 # read exactly in gguf-q8 only (their tiles are gguf-q8's)
-Q8_BLOCKS = {"Q5_K": (256, 176, (0, 2))}
+Q8_BLOCKS = {"Q5_K": (256, 176, (0, 2)), "Q5_1": (32, 24, (0, 2))}
 # types with no kernel tiles, laid out as Q8_0 in gguf-q8 (the float types are built apart)
-RELAID_BLOCKS = {
-    "Q5_1": (32, 24, (0, 2)),
-    "Q2_K": (256, 84, (80, 82)),
-}
+RELAID_BLOCKS = {"Q2_K": (256, 84, (80, 82))}
 
 
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -151,21 +148,22 @@ def assert_byte_layout_bits(kernel, x, byte_panels, panels, format, group, bias,
 
 
 @needs_kernel
-def test_six_bit_panels_give_the_byte_layout_s_bits():
-    """Q6_K in gguf-q8 as six-bit panels (where the build has their tiles): two thirds of the
-    bytes, the same integers, so every row's bits equal the byte layout's, tiles and scalar
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
+def test_six_bit_panels_give_the_byte_layout_s_bits(type_name):
+    """Q6_K and Q3_K in gguf-q8 as six-bit panels (where the build has their tiles): two thirds of
+    the bytes, the same integers, so every row's bits equal the byte layout's, tiles and scalar
     reference alike, and Q8Linear's, which holds them, too."""
     kernel = load_kernel()
     rows, columns = 192, 1536
-    decoded = blocks.decode(random_blocks("Q6_K", rows, columns, seed=11), "Q6_K", rows)
+    decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=11), type_name, rows)
     assert quantized.has_six_bits(decoded)
     wq = quantized.pack(decoded, vnni=True)
     six = quantized.pack_six_bits(decoded)
     assert six.shape[1] == kernel.quant_panel_bytes(quantized.SIX_BITS, 16, columns)
-    assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # the file's own size
+    assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # Q6_K's own size
     assert wq.shape[1] * 8 / (PANEL * columns) == 10
     bias = torch.randn(rows)
-    module = quantized.Q8Linear.from_decoded(decoded, "Q6_K", bias, kernel)
+    module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
     assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
     assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
     x = tile_activations(3)
@@ -252,7 +250,8 @@ def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
     assert quantized.has_half_five_bits(decoded) and decoded.q.min() == -16
     assert not (quantized.has_half_nibbles(decoded) or quantized.has_six_bits(decoded))
     wq = quantized.pack(decoded, vnni=True)
-    five = quantized.pack_half_five_bits(decoded)
+    five, format = quantized.pack_half_five_bits(decoded)
+    assert format == quantized.HALF_FIVE_BITS
     assert five.shape[1] == kernel.quant_panel_bytes(quantized.HALF_FIVE_BITS, 32, columns)
     assert five.shape[1] * 8 / (PANEL * columns) == 5.5
     bias = torch.randn(rows)
@@ -262,36 +261,49 @@ def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
     assert_byte_layout_bits(kernel, x, wq, five, quantized.HALF_FIVE_BITS, 32, bias, module)
 
 
+# gguf-q8's five-bit panels of types read there only: (format, bits a weight there)
+FIVE_BIT_PANELS = {
+    "Q5_K": (quantized.FIVE_BITS, 5.625),
+    "Q5_1": (quantized.HALF_OFFSET_FIVE_BITS, 6),
+}
+
+
 @needs_kernel
-def test_q5_k_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights():
-    """Q5_K in gguf-q8 as five-bit panels (5.63 bits a weight): the decoder gives gguf's own
-    values; the vector tiles give the scalar reference's bits at every tile shape, rows never
-    depend on each other, and the result is the float64 product of the rounded activations and
-    the file's weights; mode gguf still refuses the type."""
+@pytest.mark.parametrize("type_name", sorted(FIVE_BIT_PANELS))
+def test_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights(type_name):
+    """Q5_K (5.63 bits a weight, the file's 5.5) and Q5_1 (6, as the file) in gguf-q8 as five-bit
+    panels: the decoder gives gguf's own values; the vector tiles give the scalar reference's bits
+    at every tile shape, rows never depend on each other, and the result is the float64 product
+    of the rounded activations and the file's weights; mode gguf still refuses the type."""
     kernel = load_kernel()
+    format, bits = FIVE_BIT_PANELS[type_name]
     rows, columns = 192, 1536
-    raw = random_blocks("Q5_K", rows, columns, seed=14)
-    exact = dequantize(raw, GGMLQuantizationType.Q5_K).reshape(rows, columns)
-    decoded = blocks.decode(raw, "Q5_K", rows, relay=True)
-    assert decoded.format == quantized.FIVE_BITS and decoded.q.max() == 31
+    raw = random_blocks(type_name, rows, columns, seed=14)
+    exact = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns)
+    decoded = blocks.decode(raw, type_name, rows, relay=True)
+    assert decoded.q.max() == 31 and decoded.q.min() == 0
     assert np.array_equal(decoded.weights(0, rows), exact)
-    assert np.array_equal(blocks.dequantize(raw, "Q5_K", rows), exact)
-    with pytest.raises(SelfSpecError, match="this file has Q5_K. Use --speed gguf-q8"):
-        blocks.decode(raw, "Q5_K", rows)
-    five = quantized.pack_five_bits(decoded)
-    assert five.shape[1] == kernel.quant_panel_bytes(quantized.FIVE_BITS, 32, columns)
-    assert five.shape[1] * 8 / (PANEL * columns) == pytest.approx(5.625)  # the file's 5.5
-    module = quantized.Q8Linear.from_decoded(decoded, "Q5_K", None, kernel)
-    assert (module.format == quantized.FIVE_BITS) == kernel.q8_five_bits()
+    assert np.array_equal(blocks.dequantize(raw, type_name, rows), exact)
+    with pytest.raises(SelfSpecError, match=f"this file has {type_name}. Use --speed gguf-q8"):
+        blocks.decode(raw, type_name, rows)
+    if type_name == "Q5_K":
+        five = quantized.pack_five_bits(decoded)
+    else:
+        five, packed_format = quantized.pack_half_five_bits(decoded)
+        assert packed_format == format
+    assert five.shape[1] == kernel.quant_panel_bytes(format, 32, columns)
+    assert five.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
+    module = quantized.Q8Linear.from_decoded(decoded, type_name, None, kernel)
+    assert (module.format == format) == kernel.q8_five_bits()
     weight = torch.from_numpy(exact).double()
     bias = torch.randn(rows)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[3, 64:96] = 0  # an all-zero block
     for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
-        got = kernel.q8_linear(x[:m], five, quantized.FIVE_BITS, 32, bias, False)
-        assert torch.equal(got, kernel.q8_linear(x[:m], five, quantized.FIVE_BITS, 32, bias, True))
-        one = kernel.q8_linear(x[m - 1 : m], five, quantized.FIVE_BITS, 32, bias, False)
+        got = kernel.q8_linear(x[:m], five, format, 32, bias, False)
+        assert torch.equal(got, kernel.q8_linear(x[:m], five, format, 32, bias, True))
+        one = kernel.q8_linear(x[m - 1 : m], five, format, 32, bias, False)
         assert torch.equal(got[m - 1 :], one), m
         expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
         assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m
@@ -299,18 +311,19 @@ def test_q5_k_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights():
 
 
 @needs_kernel
-def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode():
-    """Q6_K in mode gguf as six-bit panels (where the build has their float tiles): the same
-    weights rebuilt (ggml's dequantization, every one), so every product's bits are the byte
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
+def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode(type_name):
+    """Q6_K and Q3_K in mode gguf as six-bit panels (where the build has their float tiles): the
+    same weights rebuilt (ggml's dequantization, every one), so every product's bits are the byte
     layout's and the packed float32 weights', at every tile shape; QuantLinear holds them."""
     kernel = load_kernel()
     rows, columns = 192, 1536
-    raw = random_blocks("Q6_K", rows, columns, seed=12)
-    decoded = blocks.decode(raw, "Q6_K", rows)
-    reference = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(rows, columns).copy()
+    raw = random_blocks(type_name, rows, columns, seed=12)
+    decoded = blocks.decode(raw, type_name, rows)
+    reference = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
     packed = pack_weight(torch.from_numpy(reference))
     six = quantized.pack_six_bits(decoded)
-    module = quantized.QuantLinear.from_decoded(decoded, "Q6_K", None, kernel)
+    module = quantized.QuantLinear.from_decoded(decoded, type_name, None, kernel)
     assert (module.format == quantized.SIX_BITS) == kernel.quant_six_bits()
     if not kernel.quant_six_bits():
         with pytest.raises(RuntimeError, match="AVX-512"):

@@ -199,9 +199,12 @@ at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
   const int64_t multiple =
       format == kSuperNibbles || format == kSixBits || format == kLutNibbles || format == kFiveBits ? 256 : group;
-  if (format == kHalfNibbles || format == kHalfLutNibbles || format == kHalfFiveBits) {
-    TORCH_CHECK(group == 32 && K % 32 == 0, "Q4_0, IQ4_NL and Q5_0 panels hold groups of 32, of ", K, " features");
-    return format == kHalfFiveBits ? HalfFiveBitLayout::panel_bytes(K) : HalfLutLayout::panel_bytes(K);
+  if (format == kHalfNibbles || format == kHalfLutNibbles || format == kHalfFiveBits || format == kHalfOffsetFiveBits) {
+    TORCH_CHECK(group == 32 && K % 32 == 0, "Q4_0, IQ4_NL, Q5_0 and Q5_1 panels hold groups of 32, of ", K,
+                " features");
+    return format == kHalfFiveBits         ? HalfFiveBitLayout::panel_bytes(K)
+           : format == kHalfOffsetFiveBits ? HalfOffsetFiveBitLayout::panel_bytes(K)
+                                           : HalfLutLayout::panel_bytes(K);
   }
   TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
   if (format == kSixBits) {

@@ -136,11 +136,12 @@ constexpr int kHalfNibbles = 6;     // mode gguf-q8 only: see HalfLutLayout (Q4_
 constexpr int kHalfLutNibbles = 7;  // mode gguf-q8 only: see HalfLutLayout (IQ4_NL)
 constexpr int kHalfFiveBits = 8;    // mode gguf-q8 only: see HalfFiveBitLayout (Q5_0)
 constexpr int kHalfOffsetNibbles = 9;
+constexpr int kHalfOffsetFiveBits = 10;  // mode gguf-q8 only: see HalfOffsetFiveBitLayout (Q5_1)
 
 // Formats mode gguf-q8 alone holds (their own tiles, no float tiles)
 constexpr bool q8_only_format(int64_t format) {
   return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles ||
-         format == kHalfFiveBits;
+         format == kHalfFiveBits || format == kHalfOffsetFiveBits;
 }
 
 #ifndef SELFSPEC_QPREFETCH
@@ -323,6 +324,7 @@ struct FiveBitGroup {
 // products as ggml's.
 struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + FiveBitGroup::kPayload, 8>, FiveBitGroup {
   static constexpr bool kHalfScales = false;
+  static constexpr bool kFloatOffsets = true;
   static constexpr int64_t kGroupHeader = 2 * kPanel;
 
   static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
@@ -339,7 +341,23 @@ struct FiveBitLayout : SuperBlocks<4 * kPanel, 2 * kPanel + FiveBitGroup::kPaylo
 // byte layout's 9. Per group of 32 k: half d[16], then a FiveBitGroup of u = q + 16 in [0, 31].
 // scale = d (the byte layout's float, exactly); the tiles subtract 16 * S from the integer sum, so
 // they give the byte layout's integers.
-struct HalfFiveBitLayout : HalfScaledGroups<FiveBitGroup::kPayload>, FiveBitGroup {};
+struct HalfFiveBitLayout : HalfScaledGroups<FiveBitGroup::kPayload>, FiveBitGroup {
+  static constexpr bool kFloatOffsets = false;
+};
+
+// kHalfOffsetFiveBits (G = 32; Q5_1 in mode gguf-q8): the file's 6 bits a weight as 6 instead of
+// Q8_0's 9. Per group of 32 k: half d[16], half m[16], then a FiveBitGroup of u = q in [0, 31].
+// scale = d and offset = m, the float32 values of the halves (Q5_K's formula).
+struct HalfOffsetFiveBitLayout : HalfScaledGroups<2 * kPanel + FiveBitGroup::kPayload>, FiveBitGroup {
+  static constexpr bool kFloatOffsets = true;
+  static constexpr int64_t kGroupHeader = 4 * kPanel;  // d, then m
+  static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      vstore(scale + v * kVec, f16_to_vec(group(panel, gi) + 2 * v * kVec));
+      vstore(offset + v * kVec, f16_to_vec(group(panel, gi) + 2 * kPanel + 2 * v * kVec));
+    }
+  }
+};
 
 #if defined(__AVX512BW__) && defined(__AVX512F__)
 // Six-bit panels (SixBitLayout): step t's u (in [0, 63], so no sign trick) rebuilt from its
@@ -629,7 +647,7 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
-  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL and Q5_0 panels have q8 tiles only");
+  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL, Q5_0 and Q5_1 panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});

@@ -18,6 +18,7 @@ Q8Job q8_job(const QuantizedRows& a, const at::Tensor& wq, int64_t format, int64
                        : format == kHalfLutNibbles ? &q8lut_run_unit<Iq4NlNibbles>
                        : format == kFiveBits   ? &q8five_run_unit<FiveBitLayout>
                        : format == kHalfFiveBits ? &q8five_run_unit<HalfFiveBitLayout>
+                       : format == kHalfOffsetFiveBits ? &q8five_run_unit<HalfOffsetFiveBitLayout>
                                                : with_format(format, group, [](auto f, auto g) {
                                                    return static_cast<Q8Job::UnitFn>(
                                                        &q8_run_unit<decltype(f)::value, decltype(g)::value>);
@@ -64,8 +65,8 @@ bool q8_six_bits() { return kHaveSixBitTiles; }
 // Whether mode gguf-q8 holds IQ4_XS, Q4_0 and IQ4_NL as nibble panels in this build (the VNNI or
 // AVX2 tiles; the scalar reference alone would be slower than the byte layout).
 bool q8_lut_nibbles() { return kHaveLutTiles; }
-// Whether mode gguf-q8 holds Q5_K and Q5_0 as five-bit panels in this build (else as Q8_0 and
-// bytes).
+// Whether mode gguf-q8 holds Q5_K, Q5_0 and Q5_1 as five-bit panels in this build (else Q5_K and
+// Q5_1 as Q8_0, Q5_0 as bytes).
 bool q8_five_bits() { return kHaveFiveBitTiles; }
 
 }  // namespace selfspec

@@ -1,9 +1,10 @@
 #pragma once
 
 // Speed mode gguf-q8, five-bit panels: Q5_K (FiveBitLayout, linear.h: the file's 5.5 bits a weight
-// as 5.63 instead of Q8_0's 9) and Q5_0 (HalfFiveBitLayout: 5.5 instead of the byte layout's 9).
-// Q5_K's formula is the Q4_K panels' with u in [0, 31]: I = sum u * a, y += I * scale * d,
-// y += offset * d * S. Q5_0's is the byte layout's: I = sum u * a - 16 * S = sum q * a,
+// as 5.63 instead of Q8_0's 9), Q5_0 (HalfFiveBitLayout: 5.5 instead of the byte layout's 9) and
+// Q5_1 (HalfOffsetFiveBitLayout: 6 instead of Q8_0's 9). Q5_K's and Q5_1's formula is the Q4_K
+// panels' with u in [0, 31]: I = sum u * a, y += I * scale * d, y += offset * d * S (their
+// layouts' kFloatOffsets). Q5_0's is the byte layout's: I = sum u * a - 16 * S = sum q * a,
 // y += I * scale * d, so its tiles give the byte layout's bits.
 
 #include "q8.h"
@@ -17,10 +18,10 @@ void q8five_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const 
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += 32) {
       alignas(64) float scale[kPanel], offset[kPanel];
-      if constexpr (L::kHalfScales)
-        L::scale_array(panel, g0 / 32, scale);
-      else
+      if constexpr (L::kFloatOffsets)
         L::scale_arrays(panel, g0 / 32, scale, offset);
+      else
+        L::scale_array(panel, g0 / 32, scale);
       const uint8_t* q = L::group(panel, g0 / 32) + L::kGroupHeader;
       const int8_t* am = a.q + m * K + g0;
       const float d = a.d[m * (K / kActBlock) + g0 / kActBlock];
@@ -28,11 +29,11 @@ void q8five_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const 
       for (int j = 0; j < kPanel; ++j) {
         int32_t I = 0;
         for (int kk = 0; kk < 32; ++kk) I += L::u(q, j, kk) * am[kk];
-        if constexpr (L::kHalfScales) {
-          acc[j] = std::fma(static_cast<float>(I - 16 * S), scale[j] * d, acc[j]);
-        } else {
+        if constexpr (L::kFloatOffsets) {
           acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
           acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+        } else {
+          acc[j] = std::fma(static_cast<float>(I - 16 * S), scale[j] * d, acc[j]);
         }
       }
     }
@@ -66,7 +67,7 @@ inline void five_bit_step(const uint8_t* q, __m512i high, const int32_t* a_lo, c
 }
 
 // As q8tile over five-bit panels: rows [0, ROWS) times panel p. sums: per group and row, d * S
-// (Q5_K's offsets, float) or S (Q5_0's, int32).
+// (float offsets: Q5_K, Q5_1) or S (Q5_0's, int32).
 template <typename L, int ROWS>
 void q8five_tile(const int32_t* quads, const float* d_t, const void* sums, int64_t M, int64_t K,
                  const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
@@ -79,6 +80,7 @@ void q8five_tile(const int32_t* quads, const float* d_t, const void* sums, int64
     __m512 scale, offset = _mm512_setzero_ps();
     if constexpr (L::kHalfScales) {
       scale = f16_to_vec(rec);
+      if constexpr (L::kFloatOffsets) offset = f16_to_vec(rec + 2 * kPanel);
     } else {
       if (gi % L::kSuperGroups == 0) {
         d_super = f16_to_vec(L::super(panel, gi));
@@ -100,12 +102,12 @@ void q8five_tile(const int32_t* quads, const float* d_t, const void* sums, int64
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      if constexpr (L::kHalfScales) {
+      if constexpr (!L::kFloatOffsets) {
         const int32_t* sg = static_cast<const int32_t*>(sums) + gi * ROWS;
         dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(16 * sg[r]));
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
-      if constexpr (!L::kHalfScales) {
+      if constexpr (L::kFloatOffsets) {
         const float* cg = static_cast<const float*>(sums) + gi * ROWS;
         acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(cg[r]), acc[r]);
       }
@@ -123,7 +125,7 @@ template <typename L>
 void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin, float* y,
                    int64_t N, const float* bias) {
   static constexpr auto table = q8five_table<L>(std::make_integer_sequence<int, kVnniRows>{});
-  const void* sums = L::kHalfScales ? static_cast<const void*>(a.s32) : static_cast<const void*>(a.ds32);
+  const void* sums = L::kFloatOffsets ? static_cast<const void*>(a.ds32) : static_cast<const void*>(a.s32);
   q8_run_tiles(table.data(), a, sums, K / 32, M, K, wq, p_begin, y, N, bias);
 }
 
@@ -171,7 +173,10 @@ void q8five_tile_avx2(const int32_t* quads, const float* d_t, const void* sums, 
     const uint8_t* rec = L::group_prefetching(panel, gi);
     __m256 scale[2], offset[2];
     if constexpr (L::kHalfScales) {
-      scale[0] = f16x8(rec), scale[1] = f16x8(rec + 16);
+      for (int h = 0; h < 2; ++h) {
+        scale[h] = f16x8(rec + 16 * h);
+        if constexpr (L::kFloatOffsets) offset[h] = f16x8(rec + 2 * kPanel + 16 * h);
+      }
     } else {
       if (gi % L::kSuperGroups == 0)
         for (int h = 0; h < 2; ++h) {
@@ -201,12 +206,12 @@ void q8five_tile_avx2(const int32_t* quads, const float* d_t, const void* sums, 
       const __m256 vd = _mm256_set1_ps(dg[r]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        if constexpr (L::kHalfScales) {
+        if constexpr (!L::kFloatOffsets) {
           const int32_t S = static_cast<const int32_t*>(sums)[gi * ROWS + r];
           dot[r][h] = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(16 * S));
         }
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(scale[h], vd), acc[r][h]);
-        if constexpr (!L::kHalfScales) {
+        if constexpr (L::kFloatOffsets) {
           const float dS = static_cast<const float*>(sums)[gi * ROWS + r];
           acc[r][h] = _mm256_fmadd_ps(offset[h], _mm256_set1_ps(dS), acc[r][h]);
         }
@@ -226,9 +231,9 @@ void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* 
                  : rows == 3 ? &q8five_tile_avx2<L, 3>
                  : rows == 2 ? &q8five_tile_avx2<L, 2>
                              : &q8five_tile_avx2<L, 1>;
-    // per group and row: S (Q5_0, int32) or d * S (Q5_K's offsets, float), a word each
-    const void* sums = L::kHalfScales ? static_cast<const void*>(a.s32 + K / 32 * m0)
-                                      : static_cast<const void*>(a.ds32 + K / kActBlock * m0);
+    // per group and row: d * S (float offsets: Q5_K, Q5_1) or S (Q5_0, int32), a word each
+    const void* sums = L::kFloatOffsets ? static_cast<const void*>(a.ds32 + K / kActBlock * m0)
+                                        : static_cast<const void*>(a.s32 + K / 32 * m0);
     tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, sums, M, K, panel, p, y + m0 * N, N, bias);
   }
 }

@@ -3,8 +3,9 @@
 Each GGUF type is decoded to ``Decoded``: small integers and a float32 scale (and offset) per 16
 or 32 weights, whose products are exactly the float32 values ggml dequantizes the block to (one
 rounding, ggml's formula). Types read exactly: Q4_K, Q4_1, Q4_0, Q6_K, Q3_K, Q8_0, Q5_0, IQ4_NL and
-IQ4_XS (IQ4's 16 non-uniform levels are small integers themselves). Every other type ``gguf`` can
-dequantize (Q5_K, Q5_1, Q2_K, F16, BF16, F32, ...) has no kernel tiles; speed mode gguf-q8 lays it
+IQ4_XS (IQ4's 16 non-uniform levels are small integers themselves); Q5_K and Q5_1 in speed mode
+gguf-q8, which has their tiles. Every other type ``gguf`` can dequantize (Q2_K, F16, BF16, F32,
+...) has no kernel tiles; speed mode gguf-q8 lays it
 out once as Q8_0 (8 bits per weight and a scale per 32, as ggml rounds them), and speed mode gguf,
 which promises the float32 model's own weights, refuses it with a one-line error.
 """
@@ -22,6 +23,7 @@ NIBBLES, BYTES, SUPER_NIBBLES, SIX_BITS, LUT_NIBBLES, FIVE_BITS = 0, 1, 2, 3, 4,
 HALF_NIBBLES, HALF_LUT_NIBBLES = 6, 7  # Q4_0's and IQ4_NL's indices and float16 scales
 HALF_FIVE_BITS = 8  # Q5_0's five bits and float16 scales
 HALF_OFFSET_NIBBLES = 9  # Q4_1's nibbles, float16 scales and offsets
+HALF_OFFSET_FIVE_BITS = 10  # Q5_1's five bits (q in [0, 31]), float16 scales and offsets
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -32,9 +34,9 @@ class Decoded:
     SUPER_NIBBLES (Q4_K) and FIVE_BITS (Q5_K: q in [0, 31]) keep the file's factors instead of
     their float32 products:
     scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
-    Q6_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d [N, K // 256]
-    float16, sc int8. Q4_0, IQ4_NL and Q5_0 keep their float16 d [N, K // 32] as their one
-    factor, Q4_1 its float16 d and m."""
+    Q6_K and Q3_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d
+    [N, K // 256] float16, sc int8. Q4_0, IQ4_NL and Q5_0 keep their float16 d [N, K // 32] as
+    their one factor, Q4_1 and Q5_1 their float16 d and m."""
 
     q: np.ndarray  # [N, K] uint8 in [0, 15] (NIBBLES, SUPER_NIBBLES) or int8 (BYTES)
     scale: np.ndarray | None  # [N, K // G] float32 (NIBBLES, BYTES)
@@ -159,6 +161,15 @@ def _q5_0(raw, rows):
     return Decoded(q.reshape(rows, -1), half.astype(np.float32), None, 32, BYTES, (half,))
 
 
+def _q5_1(raw, rows):
+    b = _blocks(raw, 24)  # d f16, m f16, 32 high bits (uint32), 16 bytes of low nibbles
+    high = (np.ascontiguousarray(b[:, 4:8]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    q = (_nibbles(b[:, 8:]) | (high.astype(np.uint8) << 4)).reshape(rows, -1)
+    d, m = _half(b[:, 0:2]).reshape(rows, -1), _half(b[:, 2:4]).reshape(rows, -1)
+    scale, offset = d.astype(np.float32), m.astype(np.float32)  # w = d * q + m, one rounding
+    return Decoded(q, scale, offset, 32, HALF_OFFSET_FIVE_BITS, (d, m))
+
+
 def _q4_0(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles; w = d * (q - 8), exact as d * q - 8 d
     half = _half(b[:, 0:2]).reshape(rows, -1)  # kept for gguf-q8's nibble panels
@@ -176,8 +187,11 @@ def _q3_k(raw, rows):
     sc_low = (scales[:, :8].reshape(-1, 1, 8) >> _NIBBLE_SHIFTS.reshape(1, 2, 1)) & 15
     sc_high = (scales[:, 8:].reshape(-1, 1, 4) >> _PAIR_SHIFTS.reshape(1, 4, 1)) & 3
     sc = (sc_low.reshape(-1, 16) | (sc_high.reshape(-1, 16) << 4)).astype(np.int8) - np.int8(32)
-    scale = _f16(b[:, 108:110]) * sc.astype(np.float32)  # d * sc: exact in float32
-    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES)
+    d = _half(b[:, 108:110])
+    scale = d.astype(np.float32) * sc.astype(np.float32)  # d * sc: exact in float32
+    # d and sc kept: Q6_K's six-bit panels hold q + 32 (in [28, 35]) and them as they are
+    factors = (d.reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1))
+    return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
 
 
 def _iq4_nl(raw, rows):
@@ -202,7 +216,7 @@ def _iq4_xs(raw, rows):
 
 # Types mode gguf-q8 holds as they are where the build has their tiles (kernels/q8five.h); mode
 # gguf (exact) has no tiles for them.
-Q8_DECODERS = {"Q5_K": _q5_k}
+Q8_DECODERS = {"Q5_K": _q5_k, "Q5_1": _q5_1}
 DECODERS = {
     "Q4_K": _q4_k,
     "Q4_1": _q4_1,

@@ -14,13 +14,13 @@ products, and multiplies them by the activations rounded to 8 bits: llama.cpp's 
 the float32 model's (see ``selfspec.speed.modes``).
 
 Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale factors), Q4_1
-and Q4_0 (4-bit, float scale and offset per 32), Q6_K (int8 per 16, or six bits where the build
-has the six-bit tiles: both modes on AVX-512), Q3_K (int8 per 16), Q8_0, Q5_0, IQ4_NL and IQ4_XS
-(int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and Q4_0 as their 4-bit indices and Q5_K and
-Q5_0 as five-bit panels (``pack_lut_nibbles``, ``pack_half_nibbles``, ``pack_five_bits``,
-``pack_half_five_bits``); other types
-gguf reads are laid out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32
-(they are not streamed per step).
+(4-bit, the file's float16 scale and offset per 32), Q4_0 (4-bit, float scale and offset per 32),
+Q6_K and Q3_K (int8 per 16, or six bits where the build has the six-bit tiles: both modes on
+AVX-512), Q8_0, Q5_0, IQ4_NL and IQ4_XS (int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and
+Q4_0 as their 4-bit indices and Q5_K, Q5_0 and Q5_1 as five-bit panels (``pack_lut_nibbles``,
+``pack_half_nibbles``, ``pack_five_bits``, ``pack_half_five_bits``); other types gguf reads are
+laid out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32 (they are not
+streamed per step).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from selfspec.speed.blocks import (
     HALF_FIVE_BITS,
     HALF_LUT_NIBBLES,
     HALF_NIBBLES,
+    HALF_OFFSET_FIVE_BITS,
     HALF_OFFSET_NIBBLES,
     LUT_NIBBLES,
     NIBBLES,
@@ -104,14 +105,15 @@ def _superblocks(groups: np.ndarray, *halves: np.ndarray) -> torch.Tensor:
 
 
 def has_six_bits(decoded: Decoded) -> bool:
-    """Whether ``decoded`` is Q6_K, which ``pack_six_bits`` lays out."""
+    """Whether ``decoded`` is Q6_K or Q3_K, which ``pack_six_bits`` lays out (Q3_K's q + 32 in
+    [28, 35]: 6.56 bits a weight where the byte layout takes 10)."""
     return decoded.format == BYTES and decoded.group == 16 and decoded.factors is not None
 
 
 def pack_six_bits(decoded: Decoded) -> torch.Tensor:
-    """Q6_K in the kernel's SIX_BITS layout (kernels/linear.h, SixBitLayout): per 256 k, d; per
-    group of 16 k, sc, the low nibbles of u = q + 32 (two steps a byte) and its high bit pairs
-    (four steps a byte), each step 16 lanes x 4 k."""
+    """Q6_K (or Q3_K) in the kernel's SIX_BITS layout (kernels/linear.h, SixBitLayout): per 256
+    k, d; per group of 16 k, sc, the low nibbles of u = q + 32 (two steps a byte) and its high
+    bit pairs (four steps a byte), each step 16 lanes x 4 k."""
     n, k = decoded.q.shape
     panels, groups = n // PANEL, k // 16
     u = (decoded.q.astype(np.int16) + 32).astype(np.uint8).reshape(panels, PANEL, groups, 4, 4)
@@ -185,17 +187,23 @@ def pack_five_bits(decoded: Decoded) -> torch.Tensor:
 
 
 def has_half_five_bits(decoded: Decoded) -> bool:
-    """Whether ``decoded`` is Q5_0, which ``pack_half_five_bits`` lays out."""
+    """Whether ``decoded`` is Q5_0 or Q5_1, which ``pack_half_five_bits`` lays out."""
+    if decoded.format == HALF_OFFSET_FIVE_BITS:
+        return True
     return decoded.levels is None and decoded.factors is not None and len(decoded.factors) == 1
 
 
-def pack_half_five_bits(decoded: Decoded) -> torch.Tensor:
-    """Q5_0 in the kernel's HALF_FIVE_BITS layout (kernels/linear.h, HalfFiveBitLayout): per group
-    of 32 k, d and the five-bit integers u = q + 16."""
-    (d,) = decoded.factors
-    u = (decoded.q.astype(np.int16) + 16).astype(np.uint8)
-    groups = np.concatenate([_lanes_last(d).view(np.uint8), _five_bit_groups(u)], axis=2)
-    return torch.from_numpy(groups.reshape(groups.shape[0], -1))
+def pack_half_five_bits(decoded: Decoded) -> tuple[torch.Tensor, int]:
+    """Q5_0 or Q5_1 in the kernel's layout (kernels/linear.h: HalfFiveBitLayout, per group of 32
+    k, d and the five-bit integers u = q + 16; HalfOffsetFiveBitLayout, d, m and u = q); and its
+    format (HALF_FIVE_BITS or HALF_OFFSET_FIVE_BITS)."""
+    if decoded.format == HALF_OFFSET_FIVE_BITS:
+        u, format = decoded.q, HALF_OFFSET_FIVE_BITS
+    else:
+        u, format = (decoded.q.astype(np.int16) + 16).astype(np.uint8), HALF_FIVE_BITS
+    halves = [_lanes_last(f).view(np.uint8) for f in decoded.factors]
+    groups = np.concatenate([*halves, _five_bit_groups(u)], axis=2)
+    return torch.from_numpy(groups.reshape(groups.shape[0], -1)), format
 
 
 def has_half_offsets(decoded: Decoded) -> bool:
@@ -272,9 +280,9 @@ class QuantLinear(nn.Module):
                 return pack_lut_nibbles(decoded), LUT_NIBBLES, 32
             return (*pack_half_nibbles(decoded), 32)
         if cls.vnni and has_half_five_bits(decoded) and kernel.q8_five_bits():
-            return pack_half_five_bits(decoded), HALF_FIVE_BITS, 32
-        if decoded.format == FIVE_BITS:
-            if kernel.q8_five_bits():
+            return (*pack_half_five_bits(decoded), 32)
+        if decoded.format in (FIVE_BITS, HALF_OFFSET_FIVE_BITS):
+            if decoded.format == FIVE_BITS and kernel.q8_five_bits():
                 return pack_five_bits(decoded), FIVE_BITS, 32
             decoded = round_q8_0(decoded.weights(0, len(decoded.q)))  # no tiles in this build
         return pack(decoded, vnni=cls.vnni), packed_format(decoded), decoded.group
