@@ -13,7 +13,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.kernels import KERNEL_MAX_ROWS, PANEL, kernel_available, load_kernel, pack_weight
 from selfspec.loading import gguf_reader
 from selfspec.runtime.plan import DraftPolicy
-from selfspec.speed import blocks, quantized
+from selfspec.speed import blocks, panels, quantized
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="the CPU kernel cannot be built here"
@@ -66,7 +66,7 @@ def test_rebuilt_weights_equal_gguf_dequantization_and_products_equal_packed(
         dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
     )
     decoded = blocks.decode(raw, type_name, rows)
-    wq, format = quantized.pack(decoded), quantized.packed_format(decoded)
+    wq, format = panels.pack(decoded), panels.packed_format(decoded)
     kernel = load_kernel()
     assert torch.equal(
         kernel.dequantize_panels(wq, format, decoded.group, columns), pack_weight(reference)
@@ -102,7 +102,7 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     rows, columns = 192, 1536
     raw = random_blocks(type_name, rows, columns, seed=7 + len(type_name))
     decoded = blocks.decode(raw, type_name, rows)
-    wq, format = quantized.pack(decoded, vnni=True), quantized.packed_format(decoded)
+    wq, format = panels.pack(decoded, vnni=True), panels.packed_format(decoded)
     weight = torch.from_numpy(decoded.weights(0, rows)).double()
     kernel = load_kernel()
     bias = torch.randn(rows)
@@ -156,25 +156,25 @@ def test_six_bit_panels_give_the_byte_layout_s_bits(type_name):
     kernel = load_kernel()
     rows, columns = 192, 1536
     decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=11), type_name, rows)
-    assert quantized.has_six_bits(decoded)
-    wq = quantized.pack(decoded, vnni=True)
-    six = quantized.pack_six_bits(decoded)
-    assert six.shape[1] == kernel.quant_panel_bytes(quantized.SIX_BITS, 16, columns)
+    assert panels.has_six_bits(decoded)
+    wq = panels.pack(decoded, vnni=True)
+    six = panels.pack_six_bits(decoded)
+    assert six.shape[1] == kernel.quant_panel_bytes(blocks.SIX_BITS, 16, columns)
     assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # Q6_K's own size
     assert wq.shape[1] * 8 / (PANEL * columns) == 10
     bias = torch.randn(rows)
     module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
-    assert (module.format == quantized.SIX_BITS) == kernel.q8_six_bits()
+    assert (module.format == blocks.SIX_BITS) == kernel.q8_six_bits()
     assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
     x = tile_activations(3)
-    assert_byte_layout_bits(kernel, x, wq, six, quantized.SIX_BITS, 16, bias, module)
+    assert_byte_layout_bits(kernel, x, wq, six, blocks.SIX_BITS, 16, bias, module)
 
 
 # 4-bit indices held as nibble panels in gguf-q8: (format, bits a weight there, in the byte layout)
 NIBBLE_PANELS = {
-    "IQ4_XS": (quantized.LUT_NIBBLES, 4.3125, 9),
-    "IQ4_NL": (quantized.HALF_LUT_NIBBLES, 4.5, 9),
-    "Q4_0": (quantized.HALF_NIBBLES, 4.5, 9),
+    "IQ4_XS": (blocks.LUT_NIBBLES, 4.3125, 9),
+    "IQ4_NL": (blocks.HALF_LUT_NIBBLES, 4.5, 9),
+    "Q4_0": (blocks.HALF_NIBBLES, 4.5, 9),
 }
 
 
@@ -198,14 +198,14 @@ def test_nibble_panels_of_4_bit_indices_give_the_byte_layout_s_bits(type_name):
     rows, columns = 192, 1536
     raw = random_blocks(type_name, rows, columns, seed=13 + len(type_name))
     decoded = blocks.decode(raw, type_name, rows)
-    assert quantized.has_lut_nibbles(decoded) == (type_name == "IQ4_XS")
-    assert quantized.has_half_nibbles(decoded) == (type_name != "IQ4_XS")
-    assert not quantized.has_six_bits(decoded)
-    wq = quantized.pack(as_bytes(decoded), vnni=True)
+    assert panels.has_lut_nibbles(decoded) == (type_name == "IQ4_XS")
+    assert panels.has_half_nibbles(decoded) == (type_name != "IQ4_XS")
+    assert not panels.has_six_bits(decoded)
+    wq = panels.pack(as_bytes(decoded), vnni=True)
     if type_name == "IQ4_XS":
-        nibbles = quantized.pack_lut_nibbles(decoded)
+        nibbles = panels.pack_lut_nibbles(decoded)
     else:
-        nibbles, packed_format = quantized.pack_half_nibbles(decoded)
+        nibbles, packed_format = panels.pack_half_nibbles(decoded)
         assert packed_format == format
     assert nibbles.shape[1] == kernel.quant_panel_bytes(format, 32, columns)
     assert nibbles.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
@@ -224,17 +224,17 @@ def test_q4_1_panels_hold_the_file_s_half_scales_and_offsets_with_the_same_bits(
     rows, columns = 192, 1536
     decoded = blocks.decode(random_blocks("Q4_1", rows, columns, seed=16), "Q4_1", rows)
     wider = blocks.Decoded(decoded.q, decoded.scale, decoded.offset, 32, blocks.NIBBLES)
-    assert quantized.packed_format(decoded) == quantized.HALF_OFFSET_NIBBLES
-    assert quantized.packed_format(wider) == blocks.NIBBLES
+    assert panels.packed_format(decoded) == blocks.HALF_OFFSET_NIBBLES
+    assert panels.packed_format(wider) == blocks.NIBBLES
     bias = torch.randn(rows)
     x = torch.randn(13, columns, generator=torch.Generator().manual_seed(7))
     for vnni, run in ((False, kernel.quant_linear), (True, kernel.q8_linear)):
-        half, full = quantized.pack(decoded, vnni), quantized.pack(wider, vnni)
+        half, full = panels.pack(decoded, vnni), panels.pack(wider, vnni)
         bits = [panels.shape[1] * 8 / (PANEL * columns) for panels in (half, full)]
         assert bits == [5, 6]
         for m in (1, 4, 13):
             args = (32, bias, False) if vnni else (32, bias)
-            got = run(x[:m], half, quantized.HALF_OFFSET_NIBBLES, *args)
+            got = run(x[:m], half, blocks.HALF_OFFSET_NIBBLES, *args)
             assert torch.equal(got, run(x[:m], full, blocks.NIBBLES, *args)), (vnni, m)
 
 
@@ -247,24 +247,24 @@ def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
     rows, columns = 192, 1536
     raw = random_blocks("Q5_0", rows, columns, seed=15)
     decoded = blocks.decode(raw, "Q5_0", rows)
-    assert quantized.has_half_five_bits(decoded) and decoded.q.min() == -16
-    assert not (quantized.has_half_nibbles(decoded) or quantized.has_six_bits(decoded))
-    wq = quantized.pack(decoded, vnni=True)
-    five, format = quantized.pack_half_five_bits(decoded)
-    assert format == quantized.HALF_FIVE_BITS
-    assert five.shape[1] == kernel.quant_panel_bytes(quantized.HALF_FIVE_BITS, 32, columns)
+    assert panels.has_half_five_bits(decoded) and decoded.q.min() == -16
+    assert not (panels.has_half_nibbles(decoded) or panels.has_six_bits(decoded))
+    wq = panels.pack(decoded, vnni=True)
+    five, format = panels.pack_half_five_bits(decoded)
+    assert format == blocks.HALF_FIVE_BITS
+    assert five.shape[1] == kernel.quant_panel_bytes(blocks.HALF_FIVE_BITS, 32, columns)
     assert five.shape[1] * 8 / (PANEL * columns) == 5.5
     bias = torch.randn(rows)
     module = quantized.Q8Linear.from_decoded(decoded, "Q5_0", bias, kernel)
-    assert (module.format == quantized.HALF_FIVE_BITS) == kernel.q8_five_bits()
+    assert (module.format == blocks.HALF_FIVE_BITS) == kernel.q8_five_bits()
     x = tile_activations(6)
-    assert_byte_layout_bits(kernel, x, wq, five, quantized.HALF_FIVE_BITS, 32, bias, module)
+    assert_byte_layout_bits(kernel, x, wq, five, blocks.HALF_FIVE_BITS, 32, bias, module)
 
 
 # gguf-q8's five-bit panels of types read there only: (format, bits a weight there)
 FIVE_BIT_PANELS = {
-    "Q5_K": (quantized.FIVE_BITS, 5.625),
-    "Q5_1": (quantized.HALF_OFFSET_FIVE_BITS, 6),
+    "Q5_K": (blocks.FIVE_BITS, 5.625),
+    "Q5_1": (blocks.HALF_OFFSET_FIVE_BITS, 6),
 }
 
 
@@ -287,9 +287,9 @@ def test_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights(type_na
     with pytest.raises(SelfSpecError, match=f"this file has {type_name}. Use --speed gguf-q8"):
         blocks.decode(raw, type_name, rows)
     if type_name == "Q5_K":
-        five = quantized.pack_five_bits(decoded)
+        five = panels.pack_five_bits(decoded)
     else:
-        five, packed_format = quantized.pack_half_five_bits(decoded)
+        five, packed_format = panels.pack_half_five_bits(decoded)
         assert packed_format == format
     assert five.shape[1] == kernel.quant_panel_bytes(format, 32, columns)
     assert five.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
@@ -322,23 +322,23 @@ def test_six_bit_panels_give_the_byte_layout_s_bits_in_the_exact_mode(type_name)
     decoded = blocks.decode(raw, type_name, rows)
     reference = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns).copy()
     packed = pack_weight(torch.from_numpy(reference))
-    six = quantized.pack_six_bits(decoded)
+    six = panels.pack_six_bits(decoded)
     module = quantized.QuantLinear.from_decoded(decoded, type_name, None, kernel)
-    assert (module.format == quantized.SIX_BITS) == kernel.quant_six_bits()
+    assert (module.format == blocks.SIX_BITS) == kernel.quant_six_bits()
     if not kernel.quant_six_bits():
         with pytest.raises(RuntimeError, match="AVX-512"):
-            kernel.quant_linear(torch.randn(1, columns), six, quantized.SIX_BITS, 16, None)
+            kernel.quant_linear(torch.randn(1, columns), six, blocks.SIX_BITS, 16, None)
         return
-    assert torch.equal(kernel.dequantize_panels(six, quantized.SIX_BITS, 16, columns), packed)
+    assert torch.equal(kernel.dequantize_panels(six, blocks.SIX_BITS, 16, columns), packed)
     bias = torch.randn(rows)
     x = torch.randn(KERNEL_MAX_ROWS, columns)
     x[2, :32] = 0
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, KERNEL_MAX_ROWS):  # every tile shape
-        got = kernel.quant_linear(x[:m], six, quantized.SIX_BITS, 16, bias)
+        got = kernel.quant_linear(x[:m], six, blocks.SIX_BITS, 16, bias)
         assert torch.equal(got, kernel.packed_linear(x[:m], packed, bias)), m
         assert torch.equal(module(x[:m]) + bias, got)
         assert torch.equal(
-            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], six, quantized.SIX_BITS, 16, bias)
+            got[m - 1 :], kernel.quant_linear(x[m - 1 : m], six, blocks.SIX_BITS, 16, bias)
         )
 
 

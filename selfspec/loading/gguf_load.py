@@ -46,7 +46,7 @@ from selfspec.speed.quantized import (
 
 PANELS_FILE = "panels.bin"
 INDEX_FILE = "panels.json"
-# of quantized.pack's layout: entries of another version are not read (v1: Q4_1 with float32
+# of panels.pack's layout: entries of another version are not read (v1: Q4_1 with float32
 # scales and offsets, 6 bits a weight; since v2 their float16 values, the file's 5)
 LAYOUT_VERSION = 2
 # gguf-q8 with Q6_K and Q3_K as six-bit panels, IQ4_XS, IQ4_NL and Q4_0 as nibbles of indices
