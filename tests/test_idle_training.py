@@ -16,6 +16,7 @@ import pytest
 from live_server import ENV, MODEL, openai_client, serving
 from test_history import PROMPTS as HISTORY_PROMPTS
 
+from selfspec.loading.sources import ensure_bundled
 from selfspec.paths import cache_dir
 from selfspec.server.learning import heads_pay
 
@@ -68,8 +69,10 @@ def children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def training_server(tmp_path_factory):
     """A server whose heads go to a cache of its own (the models and kernels shared)."""
+    ensure_bundled(MODEL)  # in the shared cache, whichever test runs first
     cache = tmp_path_factory.mktemp("cache")
     for shared in ("models", "kernels"):
+        (cache_dir() / shared).mkdir(parents=True, exist_ok=True)
         (cache / shared).symlink_to(cache_dir() / shared, target_is_directory=True)
     env = dict(ENV, SELFSPEC_CACHE=str(cache), SELFSPEC_HISTORY=str(cache / "history"))
     options = ["--learn", "--train-idle", "--train-after", "150", "--train-idle-seconds", "2"]
@@ -98,7 +101,7 @@ def test_the_server_trains_heads_while_idle_and_output_stays_the_same(training_s
     (training,) = children(server["process"].pid)
     assert Path(f"/proc/{training}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
     list(stream)
-    wait_for(server, "heads_trainings_finished_total", 1)
+    wait_for(server, "heads_trainings_finished_total", 1, seconds=600)  # a lower priority
     assert gauge(server, "heads_adopted_total") == 1
     heads = cache / "plans" / MODEL / "heads.safetensors"
     assert heads.is_file() and "new draft heads" in server["log"].read_text()
