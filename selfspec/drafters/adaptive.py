@@ -185,7 +185,8 @@ class AdaptiveDrafter(Drafter):
 
     def use_heads(self, heads: HeadDrafter | None) -> None:
         """Draft with ``heads`` from the next generation on (a server's heads trained while it
-        was idle); what was measured of the heads before them no longer counts."""
+        was idle): their acceptance and calibration start again; the time of a head step,
+        measured on heads of the same shape, carries over."""
         self.heads = heads
         self.head_acceptance = None
         if heads is not None:

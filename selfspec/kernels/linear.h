@@ -135,7 +135,7 @@ constexpr int kFiveBits = 5;    // mode gguf-q8 only: see FiveBitLayout
 constexpr int kHalfNibbles = 6;     // mode gguf-q8 only: see HalfLutLayout (Q4_0)
 constexpr int kHalfLutNibbles = 7;  // mode gguf-q8 only: see HalfLutLayout (IQ4_NL)
 constexpr int kHalfFiveBits = 8;    // mode gguf-q8 only: see HalfFiveBitLayout (Q5_0)
-constexpr int kHalfOffsetNibbles = 9;
+constexpr int kHalfOffsetNibbles = 9;   // both quantized modes: see Layout (Q4_1)
 constexpr int kHalfOffsetFiveBits = 10;  // mode gguf-q8 only: see HalfOffsetFiveBitLayout (Q5_1)
 
 // Formats mode gguf-q8 alone holds (their own tiles, no float tiles)

@@ -153,18 +153,24 @@ def _q8_0(raw, rows):
     )
 
 
+def _five_bits(high_bits: np.ndarray, low_nibbles: np.ndarray) -> np.ndarray:
+    """Q5_0's and Q5_1's 4 bytes of high bits (a little-endian uint32, bit j: weight j) and 16 bytes
+    of low nibbles -> [blocks, 32] uint8 in [0, 31]."""
+    shifts = np.arange(32, dtype=np.uint32)
+    high = (np.ascontiguousarray(high_bits).view("<u4") >> shifts) & 1
+    return _nibbles(low_nibbles) | (high.astype(np.uint8) << 4)
+
+
 def _q5_0(raw, rows):
     b = _blocks(raw, 22)  # d f16, 32 high bits (uint32), 16 bytes of low nibbles
-    high = (np.ascontiguousarray(b[:, 2:6]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-    q = (_nibbles(b[:, 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    q = _five_bits(b[:, 2:6], b[:, 6:]).astype(np.int8) - np.int8(16)
     half = _half(b[:, 0:2]).reshape(rows, -1)  # kept for gguf-q8's five-bit panels
     return Decoded(q.reshape(rows, -1), half.astype(np.float32), None, 32, BYTES, (half,))
 
 
 def _q5_1(raw, rows):
     b = _blocks(raw, 24)  # d f16, m f16, 32 high bits (uint32), 16 bytes of low nibbles
-    high = (np.ascontiguousarray(b[:, 4:8]).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
-    q = (_nibbles(b[:, 8:]) | (high.astype(np.uint8) << 4)).reshape(rows, -1)
+    q = _five_bits(b[:, 4:8], b[:, 8:]).reshape(rows, -1)
     d, m = _half(b[:, 0:2]).reshape(rows, -1), _half(b[:, 2:4]).reshape(rows, -1)
     scale, offset = d.astype(np.float32), m.astype(np.float32)  # w = d * q + m, one rounding
     return Decoded(q, scale, offset, 32, HALF_OFFSET_FIVE_BITS, (d, m))
