@@ -147,27 +147,37 @@ def assert_byte_layout_bits(kernel, x, byte_panels, panels, format, group, bias,
         assert torch.equal(module(x[:m], 64), expected[:, :64])  # a draft head's prefix
 
 
+# K-quants of 16-weight groups held at their own bit width in gguf-q8: (format, packer, bits a
+# weight there; the byte layout takes 10)
+SIXTEEN_PANELS = {
+    "Q6_K": (blocks.SIX_BITS, panels.pack_six_bits, 6.5625),
+    "Q3_K": (blocks.THREE_BITS, panels.pack_three_bits, 3.5625),
+}
+
+
 @needs_kernel
-@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K"])
-def test_six_bit_panels_give_the_byte_layout_s_bits(type_name):
-    """Q6_K and Q3_K in gguf-q8 as six-bit panels (where the build has their tiles): two thirds of
-    the bytes, the same integers, so every row's bits equal the byte layout's, tiles and scalar
-    reference alike, and Q8Linear's, which holds them, too."""
+@pytest.mark.parametrize("type_name", sorted(SIXTEEN_PANELS))
+def test_six_and_three_bit_panels_give_the_byte_layout_s_bits(type_name):
+    """Q6_K as six-bit and Q3_K as three-bit panels in gguf-q8 (where the build has their tiles):
+    about the file's bits a weight, the same integers, so every row's bits equal the byte
+    layout's, tiles and scalar reference alike, and Q8Linear's, which holds them, too."""
     kernel = load_kernel()
+    format, pack_panels, bits = SIXTEEN_PANELS[type_name]
     rows, columns = 192, 1536
     decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=11), type_name, rows)
     assert panels.has_six_bits(decoded)
+    assert panels.has_three_bits(decoded) == (type_name == "Q3_K")  # Q6_K's q span [-32, 31]
     wq = panels.pack(decoded, vnni=True)
-    six = panels.pack_six_bits(decoded)
-    assert six.shape[1] == kernel.quant_panel_bytes(blocks.SIX_BITS, 16, columns)
-    assert six.shape[1] * 8 / (PANEL * columns) == pytest.approx(6.5625)  # Q6_K's own size
+    packed = pack_panels(decoded)
+    assert packed.shape[1] == kernel.quant_panel_bytes(format, 16, columns)
+    assert packed.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
     assert wq.shape[1] * 8 / (PANEL * columns) == 10
     bias = torch.randn(rows)
     module = quantized.Q8Linear.from_decoded(decoded, type_name, bias, kernel)
-    assert (module.format == blocks.SIX_BITS) == kernel.q8_six_bits()
-    assert module.quant_weight.shape == (six if kernel.q8_six_bits() else wq).shape
+    assert (module.format == format) == kernel.q8_six_bits()
+    assert module.quant_weight.shape == (packed if kernel.q8_six_bits() else wq).shape
     x = tile_activations(3)
-    assert_byte_layout_bits(kernel, x, wq, six, blocks.SIX_BITS, 16, bias, module)
+    assert_byte_layout_bits(kernel, x, wq, packed, format, 16, bias, module)
 
 
 # 4-bit indices held as nibble panels in gguf-q8: (format, bits a weight there, in the byte layout)

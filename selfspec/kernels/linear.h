@@ -137,11 +137,12 @@ constexpr int kHalfLutNibbles = 7;  // mode gguf-q8 only: see HalfLutLayout (IQ4
 constexpr int kHalfFiveBits = 8;    // mode gguf-q8 only: see HalfFiveBitLayout (Q5_0)
 constexpr int kHalfOffsetNibbles = 9;   // both quantized modes: see Layout (Q4_1)
 constexpr int kHalfOffsetFiveBits = 10;  // mode gguf-q8 only: see HalfOffsetFiveBitLayout (Q5_1)
+constexpr int kThreeBits = 11;           // mode gguf-q8 only: see ThreeBitLayout (Q3_K)
 
 // Formats mode gguf-q8 alone holds (their own tiles, no float tiles)
 constexpr bool q8_only_format(int64_t format) {
   return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles ||
-         format == kHalfFiveBits || format == kHalfOffsetFiveBits;
+         format == kHalfFiveBits || format == kHalfOffsetFiveBits || format == kThreeBits;
 }
 
 #ifndef SELFSPEC_QPREFETCH
@@ -264,12 +265,30 @@ struct ScaledSuperBlocks : SuperBlocks<2 * kPanel, GROUP_BYTES, GROUPS> {
 struct SixBitLayout : ScaledSuperBlocks<kPanel + 12 * kPanel, 16> {
   static constexpr int64_t kGroupHeader = kPanel;
   static constexpr int64_t kLowBytes = 8 * kPanel;
+  static constexpr int32_t kBias = 32;  // u = q + kBias
 
   // u of lane j, k = kk of group record rec (past its header)
   static int32_t u(const uint8_t* q, int j, int kk) {
     const int t = kk / 4, b = j * 4 + kk % 4;
     const int low = (q[t / 2 * 64 + b] >> (4 * (t % 2))) & 15;
     return low | (((q[kLowBytes + b] >> (2 * t)) & 3) << 4);
+  }
+};
+
+// kThreeBits (G = 16; Q3_K in mode gguf-q8): the file's 3.44 bits a weight as 3.56 instead of the
+// six-bit panels' 6.56. Per 256 k: half d[16]; then 16 groups of int8 sc[16], 64 bytes of low bit
+// pairs and 32 bytes of high bits of u = q + 4 in [0, 7]. Step t of a group (k = 4t..4t+3) is a
+// 64-byte vector as in SixBitLayout: its low bits are bits 2t..2t+1 of the pair vector, its high
+// bit of byte b is bit t (b < 32) or 4 + t (b >= 32) of high byte b % 32. scale = d * sc.
+struct ThreeBitLayout : ScaledSuperBlocks<kPanel + 6 * kPanel, 16> {
+  static constexpr int64_t kGroupHeader = kPanel;
+  static constexpr int64_t kHighBytes = 4 * kPanel;  // after the pairs
+  static constexpr int32_t kBias = 4;
+
+  static int32_t u(const uint8_t* q, int j, int kk) {
+    const int t = kk / 4, b = j * 4 + kk % 4;
+    const int high = (q[kHighBytes + b % 32] >> (t + 4 * (b / 32))) & 1;
+    return ((q[b] >> (2 * t)) & 3) | (high << 2);
   }
 };
 
@@ -647,7 +666,7 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
-  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL, Q5_0 and Q5_1 panels have q8 tiles only");
+  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL, Q5_0, Q5_1 and Q3_K panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});

@@ -1,4 +1,5 @@
-// q8.h's entry points (speed mode gguf-q8): every tile of q8.h and q8six.h is compiled here.
+// q8.h's entry points (speed mode gguf-q8): every tile of q8.h, q8six.h, q8lut.h and q8five.h is
+// compiled here.
 #include "q8five.h"
 #include "q8lut.h"
 #include "q8six.h"
@@ -12,7 +13,8 @@ Q8Job q8_job(const QuantizedRows& a, const at::Tensor& wq, int64_t format, int64
   TORCH_CHECK(wq.size(1) == quant_panel_bytes(format, group, a.K),
               "x has ", a.K, " features, which does not match the quantized weight");
   y = at::empty({a.M, N}, at::dtype(at::kFloat));
-  Q8Job::UnitFn unit = format == kSixBits      ? &q8six_run_unit
+  Q8Job::UnitFn unit = format == kSixBits      ? &q8six_run_unit<SixBitUnpack>
+                       : format == kThreeBits  ? &q8six_run_unit<ThreeBitUnpack>
                        : format == kLutNibbles ? &q8lut_run_unit<Iq4XsNibbles>
                        : format == kHalfNibbles ? &q8lut_run_unit<Q4_0Nibbles>
                        : format == kHalfLutNibbles ? &q8lut_run_unit<Iq4NlNibbles>
@@ -60,7 +62,8 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
 }
 
 bool q8_vectorized() { return kHaveQ8Vector; }
-// Whether mode gguf-q8 holds Q6_K as six-bit panels in this build (the VNNI or AVX2 tiles).
+// Whether mode gguf-q8 holds Q6_K as six-bit panels and Q3_K as three-bit ones in this build (the
+// VNNI or AVX2 tiles).
 bool q8_six_bits() { return kHaveSixBitTiles; }
 // Whether mode gguf-q8 holds IQ4_XS, Q4_0 and IQ4_NL as nibble panels in this build (the VNNI or
 // AVX2 tiles; the scalar reference alone would be slower than the byte layout).

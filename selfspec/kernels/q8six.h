@@ -1,18 +1,19 @@
 #pragma once
 
-// Speed mode gguf-q8, Q6_K as six-bit panels (SixBitLayout, linear.h): the file's 6.56 bits a
-// weight instead of the byte layout's 10. Same integers as the byte layout, so the same bits: the
-// scalar reference, the VNNI tiles and the AVX2 tiles.
+// Speed mode gguf-q8, the K-quants of 16-weight groups as panels of their own bit width (linear.h):
+// Q6_K as six-bit panels (SixBitLayout: the file's 6.56 bits a weight instead of the byte layout's
+// 10) and Q3_K as three-bit ones (ThreeBitLayout: 3.56 instead of 10). Both hold u = q + kBias
+// and sum I = sum u * a - kBias * S, the byte layout's integer, so the same bits: the scalar
+// reference, the VNNI tiles and the AVX2 tiles. An unpacker (SixBitUnpack, ThreeBitUnpack)
+// rebuilds a group's u step by step; the tiles around it are shared.
 
 #include "q8.h"
 
 namespace selfspec {
 
-// The same formula over six-bit panels (SixBitLayout): I = sum u * a - 32 * S, the integer the
-// byte layout gives (u = q + 32), so the same bits.
+template <typename L>
 inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
                                   float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
   const int8_t* aq = a.q;
   const float* ad = a.d;
   const int32_t* as = a.sums16;
@@ -28,7 +29,7 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
       for (int j = 0; j < kPanel; ++j) {
         int32_t I = 0;
         for (int kk = 0; kk < 16; ++kk) I += L::u(q, j, kk) * am[kk];
-        acc[j] = std::fma(static_cast<float>(I - 32 * S), scale[j] * d, acc[j]);
+        acc[j] = std::fma(static_cast<float>(I - L::kBias * S), scale[j] * d, acc[j]);
       }
     }
     for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
@@ -36,18 +37,49 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-template <int ROWS, int T>
-inline void six_bit_step(const uint8_t* q, __m512i high, const int32_t* a, __m512i (&dot)[ROWS]) {
-  const __m512i u = six_bit_u<T>(_mm512_loadu_si512(q + T / 2 * 64), high);
+// A group's u, step by step (T: k = 4T..4T+3), from its integers q (past the header).
+struct SixBitUnpack {
+  using L = SixBitLayout;
+  __m512i high;
+  explicit SixBitUnpack(const uint8_t* q) : high(_mm512_loadu_si512(q + L::kLowBytes)) {}
+  template <int T>
+  __m512i u(const uint8_t* q) const {
+    return six_bit_u<T>(_mm512_loadu_si512(q + T / 2 * 64), high);
+  }
+};
+
+// The high-bit vector's bytes b and b + 32 both come from byte b: bits 0..3 for the first half of
+// a step, bits 4..7 (brought down by a 16-bit shift; the bits that crossed from the neighbouring
+// byte land in bits 4..7 and are masked off) for the second.
+struct ThreeBitUnpack {
+  using L = ThreeBitLayout;
+  __m512i pairs, high;
+  explicit ThreeBitUnpack(const uint8_t* q) : pairs(_mm512_loadu_si512(q)) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kHighBytes));
+    high = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 4), 1);
+  }
+  template <int T>
+  __m512i u(const uint8_t*) const {
+    const __m512i lo = T == 0 ? pairs : _mm512_srli_epi16(pairs, 2 * T);
+    __m512i hi = high;  // bit T to bit 2
+    if constexpr (T < 2) hi = _mm512_slli_epi16(high, 2 - T);
+    if constexpr (T == 3) hi = _mm512_srli_epi16(high, 1);
+    return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(3)), _mm512_and_si512(hi, _mm512_set1_epi8(4)));
+  }
+};
+
+template <typename U, int ROWS, int T>
+inline void bits_step(const uint8_t* q, const U& unpack, const int32_t* a, __m512i (&dot)[ROWS]) {
+  const __m512i u = unpack.template u<T>(q);
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(a[T * ROWS + r]));
 }
 
-// As q8tile, over six-bit panels (G = 16): rows [0, ROWS) times panel p.
-template <int ROWS>
+// As q8tile, over panels of layout U::L (G = 16): rows [0, ROWS) times panel p.
+template <typename U, int ROWS>
 void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64_t M, int64_t K,
                 const uint8_t* wq, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
+  using L = typename U::L;
   const int32_t* s16 = static_cast<const int32_t*>(s16_v);
   const uint8_t* panel = wq + p * L::panel_bytes(K);
   __m512 acc[ROWS], d_super = _mm512_setzero_ps();
@@ -58,44 +90,44 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
     const uint8_t* rec = L::group_prefetching(panel, gi);
     const __m512 scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
     const uint8_t* q = rec + L::kGroupHeader;
-    const __m512i high = _mm512_loadu_si512(q + L::kLowBytes);
+    const U unpack(q);
     __m512i dot[ROWS];
     zero_dots(dot);
     const int32_t* a = quads + (g0 / 4) * ROWS;
-    six_bit_step<ROWS, 0>(q, high, a, dot);
-    six_bit_step<ROWS, 1>(q, high, a, dot);
-    six_bit_step<ROWS, 2>(q, high, a, dot);
-    six_bit_step<ROWS, 3>(q, high, a, dot);
+    bits_step<U, ROWS, 0>(q, unpack, a, dot);
+    bits_step<U, ROWS, 1>(q, unpack, a, dot);
+    bits_step<U, ROWS, 2>(q, unpack, a, dot);
+    bits_step<U, ROWS, 3>(q, unpack, a, dot);
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
     const int32_t* sg = s16 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i I = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(32 * sg[r]));
+      const __m512i I = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(L::kBias * sg[r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
     }
   }
   store_tile(acc, y, N, p, bias);
 }
 
-template <int... R>
+template <typename U, int... R>
 constexpr std::array<Q8TileFn, sizeof...(R)> q8six_table(std::integer_sequence<int, R...>) {
-  return {&q8six_tile<R + 1>...};
+  return {&q8six_tile<U, R + 1>...};
 }
 
-// One panel group of six-bit panels, tile by tile as q8_run_group.
-inline void q8six_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
-                            float* y, int64_t N, const float* bias) {
-  static constexpr auto table = q8six_table(std::make_integer_sequence<int, kVnniRows>{});
+// One panel group, tile by tile as q8_run_group.
+template <typename U>
+inline void q8six_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* wq, int64_t p_begin,
+                         float* y, int64_t N, const float* bias) {
+  static constexpr auto table = q8six_table<U>(std::make_integer_sequence<int, kVnniRows>{});
   q8_run_tiles(table.data(), a, a.s16, K / 16, M, K, wq, p_begin, y, N, bias);
 }
 
-constexpr Q8PanelFn kSixBitVector = &q8six_run_group;
 constexpr bool kHaveSixBitTiles = true;
 #elif defined(__AVX2__)
 
-// Rows [0, ROWS) of a tile times two steps of six-bit weights (u = q + 32 in [0, 63], both halves
-// of the panel, steps t and t + 1): u * a needs no sign trick, and the pair sums of both steps add
-// up in int16 (at most 4 * 63 * 127), then widen once into dot.
+// Rows [0, ROWS) of a tile times two steps of u in [0, 63] (both halves of the panel, steps t and
+// t + 1): u * a needs no sign trick, and the pair sums of both steps add up in int16 (at most
+// 4 * 63 * 127), then widen once into dot.
 template <int ROWS>
 inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, const int32_t* a_t,
                          const int32_t* a_t1, __m256i (&dot)[ROWS][2]) {
@@ -111,9 +143,10 @@ inline void six_bit_rows(__m256i u0a, __m256i u0b, __m256i u1a, __m256i u1b, con
   }
 }
 
-// Six-bit panels (SixBitLayout): per pair of steps, u rebuilt from a low-nibble vector and the
-// group's high-pair vector (16-bit shifts bring bits 2t..2t+1 to bits 4..5; the mask drops what
-// crossed from the neighbouring byte), then six_bit_rows.
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Bits 2t..2t+1 of h to bits 4..5 (16-bit shifts; the mask drops what crossed from the
+// neighbouring byte).
 template <int T>
 inline __m256i six_bit_high(__m256i h) {
   if constexpr (T == 0) return _mm256_slli_epi16(h, 4);
@@ -122,25 +155,58 @@ inline __m256i six_bit_high(__m256i h) {
   return _mm256_srli_epi16(h, 2);
 }
 
-template <int ROWS, int T>
-inline void six_bit_steps(const uint8_t* q, __m256i ha, __m256i hb, const int32_t* a,
-                          __m256i (&dot)[ROWS][2]) {
-  const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
-  const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64));
-  const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + T / 2 * 64 + 32));
-  const __m256i u0a = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_and_si256(six_bit_high<T>(ha), high2));
-  const __m256i u0b = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_and_si256(six_bit_high<T>(hb), high2));
-  const __m256i u1a = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), low4),
-                                      _mm256_and_si256(six_bit_high<T + 1>(ha), high2));
-  const __m256i u1b = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), low4),
-                                      _mm256_and_si256(six_bit_high<T + 1>(hb), high2));
+// A group's u, step by step (T: k = 4T..4T+3), both 32-byte halves of the step, from its integers
+// q (past the header): the low nibbles of low-nibble vector T / 2 and bits 2T..2T+1 of the
+// high-pair vector.
+struct SixBitUnpack {
+  using L = SixBitLayout;
+  __m256i ha, hb;
+  explicit SixBitUnpack(const uint8_t* q) : ha(load32(q + L::kLowBytes)), hb(load32(q + L::kLowBytes + 32)) {}
+  template <int T>
+  void u(const uint8_t* q, __m256i& ua, __m256i& ub) const {
+    const __m256i low4 = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
+    __m256i la = load32(q + T / 2 * 64), lb = load32(q + T / 2 * 64 + 32);
+    if constexpr (T % 2 == 1) la = _mm256_srli_epi16(la, 4), lb = _mm256_srli_epi16(lb, 4);
+    ua = _mm256_or_si256(_mm256_and_si256(la, low4), _mm256_and_si256(six_bit_high<T>(ha), high2));
+    ub = _mm256_or_si256(_mm256_and_si256(lb, low4), _mm256_and_si256(six_bit_high<T>(hb), high2));
+  }
+};
+
+// The same for three-bit panels: bits 2T..2T+1 of the pair vector, and bit T (first half) or 4 + T
+// (second half, brought down by a 16-bit shift) of the high-bit vector, moved to bit 2.
+struct ThreeBitUnpack {
+  using L = ThreeBitLayout;
+  __m256i pa, pb, ha, hb;
+  explicit ThreeBitUnpack(const uint8_t* q)
+      : pa(load32(q)), pb(load32(q + 32)), ha(load32(q + L::kHighBytes)), hb(_mm256_srli_epi16(ha, 4)) {}
+  template <int T>
+  static __m256i bit2(__m256i h) {
+    if constexpr (T < 2) return _mm256_slli_epi16(h, 2 - T);
+    if constexpr (T == 2) return h;
+    return _mm256_srli_epi16(h, 1);
+  }
+  template <int T>
+  void u(const uint8_t*, __m256i& ua, __m256i& ub) const {
+    const __m256i low2 = _mm256_set1_epi8(3), bit = _mm256_set1_epi8(4);
+    const __m256i la = T == 0 ? pa : _mm256_srli_epi16(pa, 2 * T);
+    const __m256i lb = T == 0 ? pb : _mm256_srli_epi16(pb, 2 * T);
+    ua = _mm256_or_si256(_mm256_and_si256(la, low2), _mm256_and_si256(bit2<T>(ha), bit));
+    ub = _mm256_or_si256(_mm256_and_si256(lb, low2), _mm256_and_si256(bit2<T>(hb), bit));
+  }
+};
+
+template <typename U, int ROWS, int T>
+inline void bits_steps(const uint8_t* q, const U& unpack, const int32_t* a, __m256i (&dot)[ROWS][2]) {
+  __m256i u0a, u0b, u1a, u1b;
+  unpack.template u<T>(q, u0a, u0b);
+  unpack.template u<T + 1>(q, u1a, u1b);
   six_bit_rows<ROWS>(u0a, u0b, u1a, u1b, a + T * ROWS, a + (T + 1) * ROWS, dot);
 }
 
-template <int ROWS>
+template <typename U, int ROWS>
 void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16, int64_t M, int64_t K,
                      const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
-  using L = SixBitLayout;
+  using L = typename U::L;
   __m256 acc[ROWS][2], d_super[2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -151,14 +217,13 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
     const uint8_t* rec = L::group_prefetching(panel, gi);
     const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8x8(rec)), _mm256_mul_ps(d_super[1], i8x8(rec + 8))};
     const uint8_t* q = rec + L::kGroupHeader;
-    const __m256i ha = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes));
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + L::kLowBytes + 32));
+    const U unpack(q);
     const int32_t* a = quads + (g0 / 4) * ROWS;
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    six_bit_steps<ROWS, 0>(q, ha, hb, a, dot);
-    six_bit_steps<ROWS, 2>(q, ha, hb, a, dot);
+    bits_steps<U, ROWS, 0>(q, unpack, a, dot);
+    bits_steps<U, ROWS, 2>(q, unpack, a, dot);
     const float* dg = d_t + (g0 / kActBlock) * ROWS;
     const int32_t* sg = s16 + gi * ROWS;
 #pragma GCC unroll 16
@@ -166,7 +231,7 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
       const __m256 vd = _mm256_set1_ps(dg[r]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(32 * sg[r]));
+        const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(L::kBias * sg[r]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale[h], vd), acc[r][h]);
       }
     }
@@ -174,36 +239,46 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
   store_panel_rows<ROWS>(acc, y, N, p, bias);
 }
 
-inline void q8six_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p,
-                             float* y, int64_t N, const float* bias) {
+template <typename U>
+inline void q8six_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                         int64_t N, const float* bias) {
   constexpr int kRows = kAvx2Rows;
-  const int32_t* quads = a.quads;
-  const float* d_t = a.d_t;
-  const int32_t* s16 = a.s16;
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8six_tile_avx2<4>
-                 : rows == 3 ? &q8six_tile_avx2<3>
-                 : rows == 2 ? &q8six_tile_avx2<2>
-                             : &q8six_tile_avx2<1>;
-    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, s16 + K / 16 * m0, M, K, panel, p, y + m0 * N, N, bias);
+    auto* tile = rows == 4   ? &q8six_tile_avx2<U, 4>
+                 : rows == 3 ? &q8six_tile_avx2<U, 3>
+                 : rows == 2 ? &q8six_tile_avx2<U, 2>
+                             : &q8six_tile_avx2<U, 1>;
+    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, a.s16 + K / 16 * m0, M, K, panel, p, y + m0 * N, N,
+         bias);
   }
 }
 
-constexpr Q8PanelFn kSixBitVector = &q8six_panel_avx2;
 constexpr bool kHaveSixBitTiles = true;
 #else
-constexpr Q8PanelFn kSixBitVector = &q8six_reference_panel;
+struct SixBitUnpack {
+  using L = SixBitLayout;
+};
+struct ThreeBitUnpack {
+  using L = ThreeBitLayout;
+};
+template <typename U>
+inline void q8six_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
+                         int64_t N, const float* bias) {
+  q8six_reference_panel<typename U::L>(a, M, K, panel, p, y, N, bias);
+}
 constexpr bool kHaveSixBitTiles = false;
 #endif
 
-// Six-bit panels: the VNNI or AVX2 tiles, or the scalar reference. The tiles unpack each weight
-// vector once per tile of rows. Passes gain from the fewer bytes while memory-bound; over 16 rows
-// and more the unpacking costs about what the bytes save (README: the 2026-11-24 and 2026-11-25
-// kernel changes).
+// Panels of layout U::L: the VNNI or AVX2 tiles, or the scalar reference. The tiles unpack each
+// weight vector once per tile of rows. Passes gain from the fewer bytes while memory-bound; over
+// 16 rows and more the unpacking costs about what the bytes save (docs/history.md: the
+// 2026-11-24 and 2026-11-25 kernel changes).
+template <typename U>
 inline void q8six_run_unit(const QuantizedRows& a, const uint8_t* wq, int64_t g, float* y, int64_t N,
                            const float* bias, bool reference) {
-  q8_layout_unit<&SixBitLayout::panel_bytes, &q8six_reference_panel, kSixBitVector>(a, wq, g, y, N, bias, reference);
+  using L = typename U::L;
+  q8_layout_unit<&L::panel_bytes, &q8six_reference_panel<L>, &q8six_vector<U>>(a, wq, g, y, N, bias, reference);
 }
 
 }  // namespace selfspec

@@ -24,6 +24,7 @@ HALF_NIBBLES, HALF_LUT_NIBBLES = 6, 7  # Q4_0's and IQ4_NL's indices and float16
 HALF_FIVE_BITS = 8  # Q5_0's five bits and float16 scales
 HALF_OFFSET_NIBBLES = 9  # Q4_1's nibbles, float16 scales and offsets
 HALF_OFFSET_FIVE_BITS = 10  # Q5_1's five bits (q in [0, 31]), float16 scales and offsets
+THREE_BITS = 11  # Q3_K's three bits (u = q + 4) with Q6_K's six-bit panels' scales
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -195,7 +196,7 @@ def _q3_k(raw, rows):
     sc = (sc_low.reshape(-1, 16) | (sc_high.reshape(-1, 16) << 4)).astype(np.int8) - np.int8(32)
     d = _half(b[:, 108:110])
     scale = d.astype(np.float32) * sc.astype(np.float32)  # d * sc: exact in float32
-    # d and sc kept: Q6_K's six-bit panels hold q + 32 (in [28, 35]) and them as they are
+    # d and sc kept for gguf-q8's three-bit panels (u = q + 4), or Q6_K's six-bit ones (q + 32)
     factors = (d.reshape(rows, -1), np.ascontiguousarray(sc).reshape(rows, -1))
     return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
 

@@ -72,19 +72,49 @@ def has_six_bits(decoded: Decoded) -> bool:
     return decoded.format == BYTES and decoded.group == 16 and decoded.factors is not None
 
 
+def has_three_bits(decoded: Decoded) -> bool:
+    """Whether ``decoded`` is a six-bit type whose every q is in [-4, 3] (Q3_K's range), which
+    ``pack_three_bits`` lays out in 3.56 bits a weight."""
+    return has_six_bits(decoded) and decoded.q.min() >= -4 and decoded.q.max() <= 3
+
+
+def _sixteen_steps(decoded: Decoded, bias: int) -> np.ndarray:
+    """u = q + ``bias`` as uint8 [P, groups, step, lane * 4 + k % 4]: per group of 16 k, 4 steps
+    of 16 lanes x 4 k."""
+    panels, k = decoded.q.shape[0] // PANEL, decoded.q.shape[1]
+    u = (decoded.q.astype(np.int16) + bias).astype(np.uint8).reshape(panels, PANEL, k // 16, 4, 4)
+    return u.transpose(0, 2, 3, 1, 4).reshape(panels, k // 16, 4, 64)
+
+
+def _scaled_superblocks(decoded: Decoded, *payload: np.ndarray) -> torch.Tensor:
+    """Per 256 k, d; per group of 16 k, sc and ``payload`` ([P, groups, bytes] each)."""
+    d, sc = decoded.factors
+    panels, groups = payload[0].shape[:2]
+    payload = [p.reshape(panels, groups, -1) for p in payload]
+    return _superblocks(np.concatenate([_lanes_last(sc).view(np.uint8), *payload], axis=2), d)
+
+
 def pack_six_bits(decoded: Decoded) -> torch.Tensor:
     """Q6_K (or Q3_K) in the kernel's SIX_BITS layout (kernels/linear.h, SixBitLayout): per 256
     k, d; per group of 16 k, sc, the low nibbles of u = q + 32 (two steps a byte) and its high
     bit pairs (four steps a byte), each step 16 lanes x 4 k."""
-    n, k = decoded.q.shape
-    panels, groups = n // PANEL, k // 16
-    u = (decoded.q.astype(np.int16) + 32).astype(np.uint8).reshape(panels, PANEL, groups, 4, 4)
-    u = u.transpose(0, 2, 3, 1, 4).reshape(panels, groups, 4, 64)  # [P, group, step, lane * 4 + k]
+    u = _sixteen_steps(decoded, 32)
     low = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)
     high = sum(((u[:, :, t] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
-    d, sc = decoded.factors
-    groups_record = [_lanes_last(sc).view(np.uint8), low.reshape(panels, groups, -1), high]
-    return _superblocks(np.concatenate(groups_record, axis=2), d)
+    return _scaled_superblocks(decoded, low, high)
+
+
+def pack_three_bits(decoded: Decoded) -> torch.Tensor:
+    """Q3_K in the kernel's THREE_BITS layout (kernels/linear.h, ThreeBitLayout): per 256 k, d;
+    per group of 16 k, sc, the low bit pairs of u = q + 4 (step t in bits 2t..2t+1) and its high
+    bits (step t's bytes b < 32 in bit t of byte b, the rest in bit 4 + t of byte b - 32)."""
+    u = _sixteen_steps(decoded, 4)
+    pairs = sum((u[:, :, t] & 3) << (2 * t) for t in range(4)).astype(np.uint8)
+    high = (u >> 2) & 1  # [P, group, step, 64]
+    shifts = np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high[..., :32] << shifts) | (high[..., 32:] << (shifts + 4))
+    high = high.sum(axis=2, dtype=np.uint8)  # the bits do not overlap
+    return _scaled_superblocks(decoded, pairs, high)
 
 
 def has_lut_nibbles(decoded: Decoded) -> bool:

@@ -43,6 +43,7 @@ from selfspec.speed.blocks import (
     Q8_DECODERS,
     RELAID,
     SIX_BITS,
+    THREE_BITS,
     Decoded,
     decode,
     dequantize,
@@ -53,12 +54,14 @@ from selfspec.speed.panels import (
     has_half_five_bits,
     has_lut_nibbles,
     has_six_bits,
+    has_three_bits,
     pack,
     pack_five_bits,
     pack_half_five_bits,
     pack_half_nibbles,
     pack_lut_nibbles,
     pack_six_bits,
+    pack_three_bits,
     packed_format,
 )
 
@@ -104,6 +107,8 @@ class QuantLinear(nn.Module):
     def lay_out(cls, decoded: Decoded, kernel) -> tuple[torch.Tensor, int, int]:
         """(panels, kernel format, group size) of ``decoded`` in this mode."""
         if cls.wants_six_bits(kernel) and has_six_bits(decoded):
+            if cls.vnni and has_three_bits(decoded):
+                return pack_three_bits(decoded), THREE_BITS, 16
             return pack_six_bits(decoded), SIX_BITS, 16
         if cls.vnni and decoded.levels is not None and kernel.q8_lut_nibbles():
             if has_lut_nibbles(decoded):
