@@ -14,16 +14,16 @@ if TYPE_CHECKING:
     from selfspec.engine import Engine
 
 MEMORY_METHOD = (
-    "peak_rss_mb: highest resident set size (psutil memory_info().rss, sampled every 5 ms by a "
-    "background thread) of this one process during the method's warm-up generation. All methods "
-    "share the process, so the figure includes everything loaded when that warm-up ran: warm-ups "
-    "run before the draft model is loaded for methods that need only the target (hf_generate, "
-    "autoregressive, self_speculative, prompt_lookup), then the draft model is loaded for "
-    "dual_model and hf_assisted, then the GGUF for llama_cpp. When selfspec runs a speed mode "
-    "other than torch, transformers' own methods (hf_generate, prompt_lookup, hf_assisted) get an "
-    "unmodified copy of the model, loaded after selfspec's methods of the same phase were "
-    "measured, so their figures include that copy too. Memory freed by earlier methods may stay "
-    "with the allocator, so later figures are upper bounds."
+    "peak_rss_mb: highest resident set size in MiB (psutil memory_info().rss, sampled every 5 ms "
+    "by a background thread) of this one process during the method's warm-up generation. All "
+    "methods share the process, so the figure includes everything loaded when that warm-up ran: "
+    "warm-ups run before the draft model is loaded for methods that need only the target "
+    "(hf_generate, autoregressive, self_speculative, prompt_lookup), then the draft model is "
+    "loaded for dual_model and hf_assisted, then the GGUF for llama_cpp. When selfspec runs a "
+    "speed mode other than torch, transformers' own methods (hf_generate, prompt_lookup, "
+    "hf_assisted) get an unmodified copy of the model, loaded after selfspec's methods of the "
+    "same phase were measured, so their figures include that copy too. Memory freed by earlier "
+    "methods may stay with the allocator, so later figures are upper bounds."
 )
 
 

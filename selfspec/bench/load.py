@@ -147,7 +147,7 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
 
 
 def _sample_rss(url: str, pid: int | None, load: Load, samples: list, full: list) -> None:
-    """Every second: (seconds, requests sent, the server's RSS in MB); and in ``full`` the
+    """Every second: (seconds, requests sent, the server's RSS in MiB); and in ``full`` the
     requests sent when the server's prefix cache first dropped an entry (it had filled)."""
     process = psutil.Process(pid) if pid else None
     started = time.perf_counter()
@@ -182,7 +182,7 @@ def _rss_summary(samples: list, warmup: int) -> dict:
         "rss_mb_max": max(s[2] for s in samples),
         "rss_growth_pct": round(100 * (end / base - 1), 2),
         "rss_mb_samples": len(samples),
-        "rss_mb_over_time": samples[:: max(1, len(samples) // 60)],  # (seconds, sent, MB)
+        "rss_mb_over_time": samples[:: max(1, len(samples) // 60)],  # (seconds, sent, MiB)
     }
 
 

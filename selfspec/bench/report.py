@@ -83,7 +83,7 @@ def _main_table(result: dict) -> list[str]:
     expected = _expected_difference(result)
     lines = [
         "| method | tok/s | vs hf_generate | vs autoregressive | decode tok/s | "
-        "decode vs autoregressive | mean accepted length | acceptance | peak RSS MB | "
+        "decode vs autoregressive | mean accepted length | acceptance | peak RSS MiB | "
         "identical to hf_generate |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
