@@ -20,8 +20,8 @@ from selfspec.loading.sources import ensure_bundled, gguf_source
 pytestmark = pytest.mark.slow  # the tokenizer comes from a bundled model's file
 
 EXACT_TYPES = ["Q4_0", "Q3_K", "IQ4_NL", "IQ4_XS", "Q5_0", "Q4_K"]
-Q8_TYPES = ["Q5_K", "Q5_1"]  # read exactly in gguf-q8 only
-RELAID_TYPES = ["Q2_K", "F16", "BF16"]
+Q8_TYPES = ["Q5_K", "Q5_1", "Q2_K"]  # read exactly in gguf-q8 only
+RELAID_TYPES = ["F16", "BF16"]
 PROMPT = [1, 504, 3216, 30, 2451, 314, 253, 1848]  # token ids: the random model has no language
 NEW_TOKENS = 12
 
@@ -72,8 +72,10 @@ def test_exact_types_give_the_float32_model_s_logits_and_tokens(
     _speculation_is_lossless(q8)
 
 
-@pytest.mark.parametrize("family,type_name", [("llama", t) for t in Q8_TYPES] + [("phi3", "Q5_K")])
-def test_five_bit_types_load_in_gguf_q8_as_five_bit_panels_and_are_refused_in_gguf(
+@pytest.mark.parametrize(
+    "family,type_name", [("llama", t) for t in Q8_TYPES] + [("phi3", "Q5_K"), ("phi3", "Q2_K")]
+)
+def test_types_with_q8_tiles_only_load_in_gguf_q8_as_they_are_and_are_refused_in_gguf(
     cache, tokenizer_source, family, type_name
 ):
     path = _written(cache, tokenizer_source, type_name, family)
@@ -86,7 +88,7 @@ def test_five_bit_types_load_in_gguf_q8_as_five_bit_panels_and_are_refused_in_gg
 
 
 @pytest.mark.parametrize(
-    "family,type_name", [("llama", t) for t in RELAID_TYPES] + [("phi3", "Q2_K")]
+    "family,type_name", [("llama", t) for t in RELAID_TYPES] + [("phi3", "F16")]
 )
 def test_types_without_tiles_load_in_gguf_q8_as_q8_0_and_say_so(
     cache, tokenizer_source, family, type_name

@@ -32,9 +32,9 @@ BLOCKS = {
     "IQ4_XS": (256, 136, (0,)),
 }
 # read exactly in gguf-q8 only (their tiles are gguf-q8's)
-Q8_BLOCKS = {"Q5_K": (256, 176, (0, 2)), "Q5_1": (32, 24, (0, 2))}
+Q8_BLOCKS = {"Q5_K": (256, 176, (0, 2)), "Q5_1": (32, 24, (0, 2)), "Q2_K": (256, 84, (80, 82))}
 # types with no kernel tiles, laid out as Q8_0 in gguf-q8 (the float types are built apart)
-RELAID_BLOCKS = {"Q2_K": (256, 84, (80, 82))}
+RELAID_BLOCKS = {"IQ2_XXS": (256, 66, (0,))}
 
 
 def random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
@@ -271,49 +271,54 @@ def test_q5_0_five_bit_panels_give_the_byte_layout_s_bits():
     assert_byte_layout_bits(kernel, x, wq, five, blocks.HALF_FIVE_BITS, 32, bias, module)
 
 
-# gguf-q8's five-bit panels of types read there only: (format, bits a weight there)
-FIVE_BIT_PANELS = {
-    "Q5_K": (blocks.FIVE_BITS, 5.625),
-    "Q5_1": (blocks.HALF_OFFSET_FIVE_BITS, 6),
+def _half_five_bits(decoded: blocks.Decoded) -> torch.Tensor:
+    five, format = panels.pack_half_five_bits(decoded)
+    assert format == blocks.HALF_OFFSET_FIVE_BITS
+    return five
+
+
+# gguf-q8's panels of types read there only: (format, group, largest q, packer, bits a weight
+# there, the kernel's test for their tiles)
+OFFSET_PANELS = {
+    "Q5_K": (blocks.FIVE_BITS, 32, 31, panels.pack_five_bits, 5.625, "q8_five_bits"),
+    "Q5_1": (blocks.HALF_OFFSET_FIVE_BITS, 32, 31, _half_five_bits, 6, "q8_five_bits"),
+    "Q2_K": (blocks.TWO_BITS, 16, 3, panels.pack_two_bits, 2.625, "q8_six_bits"),
 }
 
 
 @needs_kernel
-@pytest.mark.parametrize("type_name", sorted(FIVE_BIT_PANELS))
-def test_five_bit_panels_compute_the_formula_on_the_file_s_exact_weights(type_name):
-    """Q5_K (5.63 bits a weight, the file's 5.5) and Q5_1 (6, as the file) in gguf-q8 as five-bit
-    panels: the decoder gives gguf's own values; the vector tiles give the scalar reference's bits
-    at every tile shape, rows never depend on each other, and the result is the float64 product
-    of the rounded activations and the file's weights; mode gguf still refuses the type."""
+@pytest.mark.parametrize("type_name", sorted(OFFSET_PANELS))
+def test_offset_panels_compute_the_formula_on_the_file_s_exact_weights(type_name):
+    """Q5_K (5.63 bits a weight, the file's 5.5), Q5_1 (6, as the file) and Q2_K (2.63, as the
+    file) in gguf-q8 as panels of their own width: the decoder gives gguf's own values; the
+    vector tiles give the scalar reference's bits at every tile shape, rows never depend on each
+    other, and the result is the float64 product of the rounded activations and the file's
+    weights; mode gguf still refuses the type."""
     kernel = load_kernel()
-    format, bits = FIVE_BIT_PANELS[type_name]
+    format, group, top, pack_panels, bits, has_tiles = OFFSET_PANELS[type_name]
     rows, columns = 192, 1536
     raw = random_blocks(type_name, rows, columns, seed=14)
     exact = dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, columns)
     decoded = blocks.decode(raw, type_name, rows, relay=True)
-    assert decoded.q.max() == 31 and decoded.q.min() == 0
+    assert decoded.q.max() == top and decoded.q.min() == 0
     assert np.array_equal(decoded.weights(0, rows), exact)
     assert np.array_equal(blocks.dequantize(raw, type_name, rows), exact)
     with pytest.raises(SelfSpecError, match=f"this file has {type_name}. Use --speed gguf-q8"):
         blocks.decode(raw, type_name, rows)
-    if type_name == "Q5_K":
-        five = panels.pack_five_bits(decoded)
-    else:
-        five, packed_format = panels.pack_half_five_bits(decoded)
-        assert packed_format == format
-    assert five.shape[1] == kernel.quant_panel_bytes(format, 32, columns)
+    five = pack_panels(decoded)
+    assert five.shape[1] == kernel.quant_panel_bytes(format, group, columns)
     assert five.shape[1] * 8 / (PANEL * columns) == pytest.approx(bits)
     module = quantized.Q8Linear.from_decoded(decoded, type_name, None, kernel)
-    assert (module.format == format) == kernel.q8_five_bits()
+    assert (module.format == format) == getattr(kernel, has_tiles)()
     weight = torch.from_numpy(exact).double()
     bias = torch.randn(rows)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[3, 64:96] = 0  # an all-zero block
     for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
-        got = kernel.q8_linear(x[:m], five, format, 32, bias, False)
-        assert torch.equal(got, kernel.q8_linear(x[:m], five, format, 32, bias, True))
-        one = kernel.q8_linear(x[m - 1 : m], five, format, 32, bias, False)
+        got = kernel.q8_linear(x[:m], five, format, group, bias, False)
+        assert torch.equal(got, kernel.q8_linear(x[:m], five, format, group, bias, True))
+        one = kernel.q8_linear(x[m - 1 : m], five, format, group, bias, False)
         assert torch.equal(got[m - 1 :], one), m
         expected = eight_bit_activations(x[:m]) @ weight.T + bias.double()
         assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max(), m

@@ -198,8 +198,8 @@ at::Tensor dequantize_panels(at::Tensor wq, int64_t format, int64_t group, int64
 
 int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
   const int64_t multiple =
-      format == kSuperNibbles || format == kSixBits || format == kThreeBits || format == kLutNibbles ||
-              format == kFiveBits
+      format == kSuperNibbles || format == kSixBits || format == kThreeBits || format == kTwoBits ||
+              format == kLutNibbles || format == kFiveBits
           ? 256
           : group;
   if (format == kHalfNibbles || format == kHalfLutNibbles || format == kHalfFiveBits || format == kHalfOffsetFiveBits) {
@@ -210,9 +210,11 @@ int64_t quant_panel_bytes(int64_t format, int64_t group, int64_t K) {
                                            : HalfLutLayout::panel_bytes(K);
   }
   TORCH_CHECK(K % multiple == 0, "in_features ", K, " is not a multiple of ", multiple);
-  if (format == kSixBits || format == kThreeBits) {
-    TORCH_CHECK(group == 16, "six-bit and three-bit panels hold groups of 16");
-    return format == kSixBits ? SixBitLayout::panel_bytes(K) : ThreeBitLayout::panel_bytes(K);
+  if (format == kSixBits || format == kThreeBits || format == kTwoBits) {
+    TORCH_CHECK(group == 16, "Q6_K, Q3_K and Q2_K panels hold groups of 16");
+    return format == kSixBits     ? SixBitLayout::panel_bytes(K)
+           : format == kThreeBits ? ThreeBitLayout::panel_bytes(K)
+                                  : TwoBitLayout::panel_bytes(K);
   }
   if (format == kLutNibbles || format == kFiveBits) {
     TORCH_CHECK(group == 32, "IQ4_XS and Q5_K panels hold groups of 32");

@@ -138,11 +138,12 @@ constexpr int kHalfFiveBits = 8;    // mode gguf-q8 only: see HalfFiveBitLayout 
 constexpr int kHalfOffsetNibbles = 9;   // both quantized modes: see Layout (Q4_1)
 constexpr int kHalfOffsetFiveBits = 10;  // mode gguf-q8 only: see HalfOffsetFiveBitLayout (Q5_1)
 constexpr int kThreeBits = 11;           // mode gguf-q8 only: see ThreeBitLayout (Q3_K)
+constexpr int kTwoBits = 12;             // mode gguf-q8 only: see TwoBitLayout (Q2_K)
 
 // Formats mode gguf-q8 alone holds (their own tiles, no float tiles)
 constexpr bool q8_only_format(int64_t format) {
   return format == kLutNibbles || format == kFiveBits || format == kHalfNibbles || format == kHalfLutNibbles ||
-         format == kHalfFiveBits || format == kHalfOffsetFiveBits || format == kThreeBits;
+         format == kHalfFiveBits || format == kHalfOffsetFiveBits || format == kThreeBits || format == kTwoBits;
 }
 
 #ifndef SELFSPEC_QPREFETCH
@@ -266,6 +267,7 @@ struct SixBitLayout : ScaledSuperBlocks<kPanel + 12 * kPanel, 16> {
   static constexpr int64_t kGroupHeader = kPanel;
   static constexpr int64_t kLowBytes = 8 * kPanel;
   static constexpr int32_t kBias = 32;  // u = q + kBias
+  static constexpr bool kFloatOffsets = false;
 
   // u of lane j, k = kk of group record rec (past its header)
   static int32_t u(const uint8_t* q, int j, int kk) {
@@ -281,6 +283,7 @@ struct SixBitLayout : ScaledSuperBlocks<kPanel + 12 * kPanel, 16> {
 // 64-byte vector as in SixBitLayout: its low bits are bits 2t..2t+1 of the pair vector, its high
 // bit of byte b is bit t (b < 32) or 4 + t (b >= 32) of high byte b % 32. scale = d * sc.
 struct ThreeBitLayout : ScaledSuperBlocks<kPanel + 6 * kPanel, 16> {
+  static constexpr bool kFloatOffsets = false;
   static constexpr int64_t kGroupHeader = kPanel;
   static constexpr int64_t kHighBytes = 4 * kPanel;  // after the pairs
   static constexpr int32_t kBias = 4;
@@ -289,6 +292,26 @@ struct ThreeBitLayout : ScaledSuperBlocks<kPanel + 6 * kPanel, 16> {
     const int t = kk / 4, b = j * 4 + kk % 4;
     const int high = (q[kHighBytes + b % 32] >> (t + 4 * (b / 32))) & 1;
     return ((q[b] >> (2 * t)) & 3) | (high << 2);
+  }
+};
+
+// kTwoBits (G = 16; Q2_K in mode gguf-q8): the file's 2.63 bits a weight as they are, instead of
+// Q8_0's 9. Per 256 k: half d[16], half dmin[16]; then 16 groups of the file's scale bytes
+// scm[16] (sc in the low nibble, m in the high one) and 64 bytes of bit pairs of u = q in [0, 3]
+// (ThreeBitLayout's pairs). scale = d * sc and offset = -(dmin * m), float32 products as ggml's
+// (Q5_K's formula: I = sum u * a, y += I * scale * d, y += offset * d * S).
+struct TwoBitLayout : SuperBlocks<4 * kPanel, 5 * kPanel, 16> {
+  static constexpr bool kFloatOffsets = true;
+  static constexpr int64_t kGroupHeader = kPanel;
+
+  static int32_t u(const uint8_t* q, int j, int kk) { return (q[j * 4 + kk % 4] >> (2 * (kk / 4))) & 3; }
+  static void scale_arrays(const uint8_t* panel, int64_t gi, float* scale, float* offset) {
+    for (int v = 0; v < kVecPerPanel; ++v) {
+      vec sc, m;
+      nibbles_to_vec(group(panel, gi) + v * kVec, sc, m);
+      vstore(scale + v * kVec, vmul(f16_to_vec(super(panel, gi) + 2 * v * kVec), sc));
+      vstore(offset + v * kVec, vneg(vmul(f16_to_vec(super(panel, gi) + 2 * kPanel + 2 * v * kVec), m)));
+    }
   }
 };
 
@@ -666,7 +689,7 @@ template <typename F>
 auto with_format(int64_t format, int64_t group, F&& f) {
   using std::integral_constant;
   TORCH_CHECK(format != kSixBits, "six-bit panels have tiles of their own (qtile_six, the q8 tiles)");
-  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL, Q5_0, Q5_1 and Q3_K panels have q8 tiles only");
+  TORCH_CHECK(!q8_only_format(format), "IQ4_XS, Q5_K, Q4_0, IQ4_NL, Q5_0, Q5_1, Q3_K and Q2_K panels have q8 tiles only");
   TORCH_CHECK((format != kBytes && group == 32) || (format == kBytes && (group == 16 || group == 32)),
               "unsupported quantized format ", format, " with groups of ", group);
   if (format == kSuperNibbles) return f(integral_constant<int, kSuperNibbles>{}, integral_constant<int, 32>{});

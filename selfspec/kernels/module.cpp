@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "y = x @ W^T (+ bias), x rounded to 8 bits, W as quantized panels (q8 arrangement)");
   m.def("attention_rows", &attention_rows, "attention computed row by row, the same bits whatever the row count");
   m.def("quant_six_bits", &quant_six_bits, "whether mode gguf holds Q6_K as six-bit panels in this build (AVX-512)");
-  m.def("q8_six_bits", &q8_six_bits, "whether gguf-q8 holds Q6_K as six-bit and Q3_K as three-bit panels in this build (VNNI or AVX2 tiles)");
+  m.def("q8_six_bits", &q8_six_bits, "whether gguf-q8 holds Q6_K, Q3_K and Q2_K as panels of their own bit width in this build (VNNI or AVX2 tiles)");
   m.def("q8_lut_nibbles", &q8_lut_nibbles,
         "whether gguf-q8 holds IQ4_XS as nibble panels in this build (VNNI or AVX2 tiles)");
   m.def("q8_five_bits", &q8_five_bits, "whether gguf-q8 holds Q5_K as five-bit panels in this build (VNNI or AVX2 tiles)");

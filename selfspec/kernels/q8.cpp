@@ -15,6 +15,7 @@ Q8Job q8_job(const QuantizedRows& a, const at::Tensor& wq, int64_t format, int64
   y = at::empty({a.M, N}, at::dtype(at::kFloat));
   Q8Job::UnitFn unit = format == kSixBits      ? &q8six_run_unit<SixBitUnpack>
                        : format == kThreeBits  ? &q8six_run_unit<ThreeBitUnpack>
+                       : format == kTwoBits    ? &q8six_run_unit<TwoBitUnpack>
                        : format == kLutNibbles ? &q8lut_run_unit<Iq4XsNibbles>
                        : format == kHalfNibbles ? &q8lut_run_unit<Q4_0Nibbles>
                        : format == kHalfLutNibbles ? &q8lut_run_unit<Iq4NlNibbles>
@@ -62,8 +63,8 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor wq, int64_t format, int64_t group,
 }
 
 bool q8_vectorized() { return kHaveQ8Vector; }
-// Whether mode gguf-q8 holds Q6_K as six-bit panels and Q3_K as three-bit ones in this build (the
-// VNNI or AVX2 tiles).
+// Whether mode gguf-q8 holds Q6_K, Q3_K and Q2_K as panels of their own bit width in this build
+// (the VNNI or AVX2 tiles; else Q3_K as bytes, Q2_K as Q8_0).
 bool q8_six_bits() { return kHaveSixBitTiles; }
 // Whether mode gguf-q8 holds IQ4_XS, Q4_0 and IQ4_NL as nibble panels in this build (the VNNI or
 // AVX2 tiles; the scalar reference alone would be slower than the byte layout).

@@ -2,10 +2,12 @@
 
 // Speed mode gguf-q8, the K-quants of 16-weight groups as panels of their own bit width (linear.h):
 // Q6_K as six-bit panels (SixBitLayout: the file's 6.56 bits a weight instead of the byte layout's
-// 10) and Q3_K as three-bit ones (ThreeBitLayout: 3.56 instead of 10). Both hold u = q + kBias
-// and sum I = sum u * a - kBias * S, the byte layout's integer, so the same bits: the scalar
-// reference, the VNNI tiles and the AVX2 tiles. An unpacker (SixBitUnpack, ThreeBitUnpack)
-// rebuilds a group's u step by step; the tiles around it are shared.
+// 10), Q3_K as three-bit ones (ThreeBitLayout: 3.56 instead of 10) and Q2_K as two-bit ones
+// (TwoBitLayout: the file's 2.63 instead of Q8_0's 9). Q6_K and Q3_K hold u = q + kBias and sum
+// I = sum u * a - kBias * S, the byte layout's integer, so the same bits; Q2_K has float offsets
+// (kFloatOffsets: y += I * scale * d, y += offset * d * S). An unpacker (SixBitUnpack,
+// ThreeBitUnpack, TwoBitUnpack) rebuilds a group's u step by step; the tiles around it (the
+// scalar reference's bits: VNNI, AVX2) are shared.
 
 #include "q8.h"
 
@@ -20,8 +22,11 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
   for (int64_t m = 0; m < M; ++m) {
     float acc[kPanel] = {};
     for (int64_t g0 = 0; g0 < K; g0 += 16) {
-      alignas(64) float scale[kPanel];
-      L::scale_array(panel, g0 / 16, scale);
+      alignas(64) float scale[kPanel], offset[kPanel];
+      if constexpr (L::kFloatOffsets)
+        L::scale_arrays(panel, g0 / 16, scale, offset);
+      else
+        L::scale_array(panel, g0 / 16, scale);
       const uint8_t* q = L::group(panel, g0 / 16) + L::kGroupHeader;
       const int8_t* am = aq + m * K + g0;
       const float d = ad[m * (K / kActBlock) + g0 / kActBlock];
@@ -29,7 +34,12 @@ inline void q8six_reference_panel(const QuantizedRows& a, int64_t M, int64_t K, 
       for (int j = 0; j < kPanel; ++j) {
         int32_t I = 0;
         for (int kk = 0; kk < 16; ++kk) I += L::u(q, j, kk) * am[kk];
-        acc[j] = std::fma(static_cast<float>(I - L::kBias * S), scale[j] * d, acc[j]);
+        if constexpr (L::kFloatOffsets) {
+          acc[j] = std::fma(static_cast<float>(I), scale[j] * d, acc[j]);
+          acc[j] = std::fma(offset[j], d * static_cast<float>(S), acc[j]);
+        } else {
+          acc[j] = std::fma(static_cast<float>(I - L::kBias * S), scale[j] * d, acc[j]);
+        }
       }
     }
     for (int j = 0; j < kPanel; ++j) y[m * N + p * kPanel + j] = bias ? acc[j] + bias[p * kPanel + j] : acc[j];
@@ -68,6 +78,16 @@ struct ThreeBitUnpack {
   }
 };
 
+struct TwoBitUnpack {
+  using L = TwoBitLayout;
+  __m512i pairs;
+  explicit TwoBitUnpack(const uint8_t* q) : pairs(_mm512_loadu_si512(q)) {}
+  template <int T>
+  __m512i u(const uint8_t*) const {
+    return _mm512_and_si512(T == 0 ? pairs : _mm512_srli_epi16(pairs, 2 * T), _mm512_set1_epi8(3));
+  }
+};
+
 template <typename U, int ROWS, int T>
 inline void bits_step(const uint8_t* q, const U& unpack, const int32_t* a, __m512i (&dot)[ROWS]) {
   const __m512i u = unpack.template u<T>(q);
@@ -82,13 +102,24 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
   using L = typename U::L;
   const int32_t* s16 = static_cast<const int32_t*>(s16_v);
   const uint8_t* panel = wq + p * L::panel_bytes(K);
-  __m512 acc[ROWS], d_super = _mm512_setzero_ps();
+  __m512 acc[ROWS], d_super = _mm512_setzero_ps(), dmin_super = _mm512_setzero_ps();
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 16) {
     const int64_t gi = g0 / 16;
-    if (gi % L::kSuperGroups == 0) d_super = f16_to_vec(L::super(panel, gi));
+    if (gi % L::kSuperGroups == 0) {
+      d_super = f16_to_vec(L::super(panel, gi));
+      if constexpr (L::kFloatOffsets) dmin_super = f16_to_vec(L::super(panel, gi) + 2 * kPanel);
+    }
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m512 scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
+    __m512 scale, offset;
+    if constexpr (L::kFloatOffsets) {
+      __m512 sc, m;
+      nibbles_to_vec(rec, sc, m);
+      scale = _mm512_mul_ps(d_super, sc);
+      offset = vneg(_mm512_mul_ps(dmin_super, m));
+    } else {
+      scale = _mm512_mul_ps(d_super, i8_to_vec(rec));
+    }
     const uint8_t* q = rec + L::kGroupHeader;
     const U unpack(q);
     __m512i dot[ROWS];
@@ -102,8 +133,13 @@ void q8six_tile(const int32_t* quads, const float* d_t, const void* s16_v, int64
     const int32_t* sg = s16 + gi * ROWS;
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const __m512i I = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(L::kBias * sg[r]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
+      if constexpr (L::kFloatOffsets) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dg[r] * static_cast<float>(sg[r])), acc[r]);
+      } else {
+        const __m512i I = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(L::kBias * sg[r]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(scale, _mm512_set1_ps(dg[r])), acc[r]);
+      }
     }
   }
   store_tile(acc, y, N, p, bias);
@@ -195,6 +231,34 @@ struct ThreeBitUnpack {
   }
 };
 
+// Two-bit panels: bits 2T..2T+1 of the pair vector.
+struct TwoBitUnpack {
+  using L = TwoBitLayout;
+  __m256i pa, pb;
+  explicit TwoBitUnpack(const uint8_t* q) : pa(load32(q)), pb(load32(q + 32)) {}
+  template <int T>
+  void u(const uint8_t*, __m256i& ua, __m256i& ub) const {
+    const __m256i low2 = _mm256_set1_epi8(3);
+    ua = _mm256_and_si256(T == 0 ? pa : _mm256_srli_epi16(pa, 2 * T), low2);
+    ub = _mm256_and_si256(T == 0 ? pb : _mm256_srli_epi16(pb, 2 * T), low2);
+  }
+};
+
+// A group's scale (and offset) for both halves of the panel: d * sc (and -(dmin * m)).
+template <typename L>
+inline void group_scales_avx2(const uint8_t* rec, const __m256 (&d_super)[2], const __m256 (&dmin_super)[2],
+                              __m256 (&scale)[2], __m256 (&offset)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (L::kFloatOffsets) {
+      const __m256i scm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 8 * h)));
+      scale[h] = _mm256_mul_ps(d_super[h], _mm256_cvtepi32_ps(_mm256_and_si256(scm, _mm256_set1_epi32(15))));
+      offset[h] = neg8(_mm256_mul_ps(dmin_super[h], _mm256_cvtepi32_ps(_mm256_srli_epi32(scm, 4))));
+    } else {
+      scale[h] = _mm256_mul_ps(d_super[h], i8x8(rec + 8 * h));
+    }
+  }
+}
+
 template <typename U, int ROWS, int T>
 inline void bits_steps(const uint8_t* q, const U& unpack, const int32_t* a, __m256i (&dot)[ROWS][2]) {
   __m256i u0a, u0b, u1a, u1b;
@@ -207,15 +271,19 @@ template <typename U, int ROWS>
 void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16, int64_t M, int64_t K,
                      const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
   using L = typename U::L;
-  __m256 acc[ROWS][2], d_super[2];
+  __m256 acc[ROWS][2], d_super[2], dmin_super[2];
 #pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += 16) {
     const int64_t gi = g0 / 16;
     if (gi % L::kSuperGroups == 0)
-      for (int h = 0; h < 2; ++h) d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
+      for (int h = 0; h < 2; ++h) {
+        d_super[h] = f16x8(L::super(panel, gi) + 16 * h);
+        if constexpr (L::kFloatOffsets) dmin_super[h] = f16x8(L::super(panel, gi) + 2 * kPanel + 16 * h);
+      }
     const uint8_t* rec = L::group_prefetching(panel, gi);
-    const __m256 scale[2] = {_mm256_mul_ps(d_super[0], i8x8(rec)), _mm256_mul_ps(d_super[1], i8x8(rec + 8))};
+    __m256 scale[2], offset[2];
+    group_scales_avx2<L>(rec, d_super, dmin_super, scale, offset);
     const uint8_t* q = rec + L::kGroupHeader;
     const U unpack(q);
     const int32_t* a = quads + (g0 / 4) * ROWS;
@@ -231,8 +299,13 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
       const __m256 vd = _mm256_set1_ps(dg[r]);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(L::kBias * sg[r]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale[h], vd), acc[r][h]);
+        if constexpr (L::kFloatOffsets) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(scale[h], vd), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(offset[h], _mm256_set1_ps(dg[r] * static_cast<float>(sg[r])), acc[r][h]);
+        } else {
+          const __m256i I = _mm256_sub_epi32(dot[r][h], _mm256_set1_epi32(L::kBias * sg[r]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(scale[h], vd), acc[r][h]);
+        }
       }
     }
   }
@@ -261,6 +334,9 @@ struct SixBitUnpack {
 };
 struct ThreeBitUnpack {
   using L = ThreeBitLayout;
+};
+struct TwoBitUnpack {
+  using L = TwoBitLayout;
 };
 template <typename U>
 inline void q8six_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,

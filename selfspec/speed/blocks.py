@@ -3,11 +3,11 @@
 Each GGUF type is decoded to ``Decoded``: small integers and a float32 scale (and offset) per 16
 or 32 weights, whose products are exactly the float32 values ggml dequantizes the block to (one
 rounding, ggml's formula). Types read exactly: Q4_K, Q4_1, Q4_0, Q6_K, Q3_K, Q8_0, Q5_0, IQ4_NL and
-IQ4_XS (IQ4's 16 non-uniform levels are small integers themselves); Q5_K and Q5_1 in speed mode
-gguf-q8, which has their tiles. Every other type ``gguf`` can dequantize (Q2_K, F16, BF16, F32,
-...) has no kernel tiles; speed mode gguf-q8 lays it
-out once as Q8_0 (8 bits per weight and a scale per 32, as ggml rounds them), and speed mode gguf,
-which promises the float32 model's own weights, refuses it with a one-line error.
+IQ4_XS (IQ4's 16 non-uniform levels are small integers themselves); Q5_K, Q5_1 and Q2_K in speed
+mode gguf-q8, which has their tiles. Every other type ``gguf`` can dequantize (F16, BF16, F32, the
+IQ2 and IQ3 types, ...) has no kernel tiles; speed mode gguf-q8 lays it out once as Q8_0 (8 bits
+per weight and a scale per 32, as ggml rounds them), and speed mode gguf, which promises the
+float32 model's own weights, refuses it with a one-line error.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ HALF_FIVE_BITS = 8  # Q5_0's five bits and float16 scales
 HALF_OFFSET_NIBBLES = 9  # Q4_1's nibbles, float16 scales and offsets
 HALF_OFFSET_FIVE_BITS = 10  # Q5_1's five bits (q in [0, 31]), float16 scales and offsets
 THREE_BITS = 11  # Q3_K's three bits (u = q + 4) with Q6_K's six-bit panels' scales
+TWO_BITS = 12  # Q2_K's two bits, with the file's d, dmin (per 256) and 4-bit sc, m (per 16)
 RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q8_0
 
 
@@ -32,8 +33,8 @@ RELAID = " as Q8_0"  # a layer's type name ends so when gguf-q8 laid it out as Q
 class Decoded:
     """One weight matrix [N, K] as w[n, k] = scale[n, k // G] * q[n, k] + offset[n, k // G].
 
-    SUPER_NIBBLES (Q4_K) and FIVE_BITS (Q5_K: q in [0, 31]) keep the file's factors instead of
-    their float32 products:
+    SUPER_NIBBLES (Q4_K), FIVE_BITS (Q5_K: q in [0, 31]) and TWO_BITS (Q2_K: q in [0, 3], G = 16)
+    keep the file's factors instead of their float32 products:
     scale = d[n, k // 256] * sc[n, k // G], offset = -(dmin[n, k // 256] * m[n, k // G]).
     Q6_K and Q3_K (BYTES, G = 16) and IQ4_XS (BYTES, G = 32) keep them beside their scales: d
     [N, K // 256] float16, sc int8. Q4_0, IQ4_NL and Q5_0 keep their float16 d [N, K // 32] as
@@ -55,7 +56,7 @@ class Decoded:
         float32, so adding the offset rounds once, like ggml's formula."""
         q = self.q[first:last].astype(np.float32)
         rows, k = q.shape
-        if self.format in (SUPER_NIBBLES, FIVE_BITS):
+        if self.format in (SUPER_NIBBLES, FIVE_BITS, TWO_BITS):
             d, dmin, sc, m = (f[first:last].astype(np.float32) for f in self.factors)
             scale = np.repeat(d, 256 // self.group, axis=1) * sc
             offset = -(np.repeat(dmin, 256 // self.group, axis=1) * m)
@@ -201,6 +202,14 @@ def _q3_k(raw, rows):
     return Decoded(q.reshape(rows, -1), scale.reshape(rows, -1), None, 16, BYTES, factors)
 
 
+def _q2_k(raw, rows):
+    b = _blocks(raw, 84)  # 16 bytes of 4-bit sc (low) and m (high), 64 of 2-bit pairs, d, dmin f16
+    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS.reshape(1, 1, 4, 1)) & 3  # as Q3_K's
+    d, dmin = _half(b[:, 80:82]), _half(b[:, 82:84])
+    factors = tuple(f.reshape(rows, -1) for f in (d, dmin, b[:, :16] & 15, b[:, :16] >> 4))
+    return Decoded(q.reshape(rows, -1), None, None, 16, TWO_BITS, factors)
+
+
 def _iq4_nl(raw, rows):
     b = _blocks(raw, 18)  # d f16, 16 bytes of nibbles selecting IQ4_LEVELS
     q = IQ4_LEVELS[_nibbles(b[:, 2:])].reshape(rows, -1)
@@ -221,9 +230,9 @@ def _iq4_xs(raw, rows):
     return Decoded(q.reshape(rows, -1), scale, None, 32, BYTES, factors, IQ4_LEVELS)
 
 
-# Types mode gguf-q8 holds as they are where the build has their tiles (kernels/q8five.h); mode
-# gguf (exact) has no tiles for them.
-Q8_DECODERS = {"Q5_K": _q5_k, "Q5_1": _q5_1}
+# Types mode gguf-q8 holds as they are where the build has their tiles (kernels/q8five.h,
+# kernels/q8six.h); mode gguf (exact) has no tiles for them.
+Q8_DECODERS = {"Q5_K": _q5_k, "Q5_1": _q5_1, "Q2_K": _q2_k}
 DECODERS = {
     "Q4_K": _q4_k,
     "Q4_1": _q4_1,
@@ -295,7 +304,8 @@ def decode(raw: np.ndarray, type_name: str, rows: int, relay: bool = False) -> D
     if not relay:
         raise SelfSpecError(
             f"speed mode gguf reads {', '.join(DECODERS)} weights exactly; this file has "
-            f"{type_name}. Use --speed gguf-q8 (which lays it out as Q8_0) or --speed packed."
+            f"{type_name}. Use --speed gguf-q8 (which reads it, at 8-bit activations) or --speed "
+            "packed."
         )
     weight = dequantize(raw, type_name, rows)
     if weight.shape[1] % 32:

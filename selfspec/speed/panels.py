@@ -1,7 +1,7 @@
 """Decoded GGUF weights laid out as the kernels' 16-wide panels (kernels/linear.h): ``pack`` for
-the layouts both quantized modes share, one ``pack_*`` for each layout of its own (six-bit,
-nibbles of level indices, five-bit), and the ``has_*`` tests that say which one a decoded type
-takes."""
+the layouts both quantized modes share, one ``pack_*`` for each layout of its own (six-, three-
+and two-bit, nibbles of level indices, five-bit), and the ``has_*`` tests that say which one a
+decoded type takes."""
 
 from __future__ import annotations
 
@@ -94,6 +94,11 @@ def _scaled_superblocks(decoded: Decoded, *payload: np.ndarray) -> torch.Tensor:
     return _superblocks(np.concatenate([_lanes_last(sc).view(np.uint8), *payload], axis=2), d)
 
 
+def _bit_pairs(u: np.ndarray) -> np.ndarray:
+    """u [P, groups, step, 64] -> its low two bits, step t in bits 2t..2t+1 of each byte."""
+    return sum((u[:, :, t] & 3) << (2 * t) for t in range(4)).astype(np.uint8)
+
+
 def pack_six_bits(decoded: Decoded) -> torch.Tensor:
     """Q6_K (or Q3_K) in the kernel's SIX_BITS layout (kernels/linear.h, SixBitLayout): per 256
     k, d; per group of 16 k, sc, the low nibbles of u = q + 32 (two steps a byte) and its high
@@ -109,12 +114,22 @@ def pack_three_bits(decoded: Decoded) -> torch.Tensor:
     per group of 16 k, sc, the low bit pairs of u = q + 4 (step t in bits 2t..2t+1) and its high
     bits (step t's bytes b < 32 in bit t of byte b, the rest in bit 4 + t of byte b - 32)."""
     u = _sixteen_steps(decoded, 4)
-    pairs = sum((u[:, :, t] & 3) << (2 * t) for t in range(4)).astype(np.uint8)
     high = (u >> 2) & 1  # [P, group, step, 64]
     shifts = np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high[..., :32] << shifts) | (high[..., 32:] << (shifts + 4))
     high = high.sum(axis=2, dtype=np.uint8)  # the bits do not overlap
-    return _scaled_superblocks(decoded, pairs, high)
+    return _scaled_superblocks(decoded, _bit_pairs(u), high)
+
+
+def pack_two_bits(decoded: Decoded) -> torch.Tensor:
+    """Q2_K in the kernel's TWO_BITS layout (kernels/linear.h, TwoBitLayout): per 256 k, d and
+    dmin; per group of 16 k, the file's scale byte (sc | m << 4) and the bit pairs of q (step t in
+    bits 2t..2t+1)."""
+    d, dmin, sc, m = decoded.factors
+    pairs = _bit_pairs(_sixteen_steps(decoded, 0))
+    panels, groups = pairs.shape[:2]
+    scm = _lanes_last((sc | (m << 4)).astype(np.uint8))
+    return _superblocks(np.concatenate([scm, pairs.reshape(panels, groups, -1)], axis=2), d, dmin)
 
 
 def has_lut_nibbles(decoded: Decoded) -> bool:

@@ -17,9 +17,10 @@ Formats read (``selfspec.speed.blocks``): Q4_K (4-bit with the file's own scale 
 (4-bit, the file's float16 scale and offset per 32), Q4_0 (4-bit, float scale and offset per 32),
 Q6_K and Q3_K (int8 per 16, or six bits where the build has the six-bit tiles: both modes on
 AVX-512), Q8_0, Q5_0, IQ4_NL and IQ4_XS (int8 per 32). Mode gguf-q8 also holds IQ4_XS, IQ4_NL and
-Q4_0 as their 4-bit indices and Q5_K, Q5_0 and Q5_1 as five-bit panels (``pack_lut_nibbles``,
-``pack_half_nibbles``, ``pack_five_bits``, ``pack_half_five_bits``); other types gguf reads are
-laid out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32 (they are not
+Q4_0 as their 4-bit indices, Q5_K, Q5_0 and Q5_1 as five-bit panels, Q3_K as three-bit and Q2_K as
+two-bit ones (``pack_lut_nibbles``, ``pack_half_nibbles``, ``pack_five_bits``,
+``pack_half_five_bits``, ``pack_three_bits``, ``pack_two_bits``); other types gguf reads are laid
+out as Q8_0 in mode gguf-q8 only. The embedding and the norms stay float32 (they are not
 streamed per step).
 """
 
@@ -44,6 +45,7 @@ from selfspec.speed.blocks import (
     RELAID,
     SIX_BITS,
     THREE_BITS,
+    TWO_BITS,
     Decoded,
     decode,
     dequantize,
@@ -62,6 +64,7 @@ from selfspec.speed.panels import (
     pack_lut_nibbles,
     pack_six_bits,
     pack_three_bits,
+    pack_two_bits,
     packed_format,
 )
 
@@ -116,9 +119,11 @@ class QuantLinear(nn.Module):
             return (*pack_half_nibbles(decoded), 32)
         if cls.vnni and has_half_five_bits(decoded) and kernel.q8_five_bits():
             return (*pack_half_five_bits(decoded), 32)
-        if decoded.format in (FIVE_BITS, HALF_OFFSET_FIVE_BITS):
+        if decoded.format in (FIVE_BITS, HALF_OFFSET_FIVE_BITS, TWO_BITS):
             if decoded.format == FIVE_BITS and kernel.q8_five_bits():
                 return pack_five_bits(decoded), FIVE_BITS, 32
+            if decoded.format == TWO_BITS and kernel.q8_six_bits():
+                return pack_two_bits(decoded), TWO_BITS, 16
             decoded = round_q8_0(decoded.weights(0, len(decoded.q)))  # no tiles in this build
         return pack(decoded, vnni=cls.vnni), packed_format(decoded), decoded.group
 
@@ -254,8 +259,8 @@ def check_types(sources: list[tuple], relay: bool, gguf_path: Path) -> None:
         if not relay:
             raise SelfSpecError(
                 f"speed mode gguf reads {', '.join(DECODERS)} weights exactly; {gguf_name} in "
-                f"{gguf_path.name} is {tensor.type_name}. Use --speed gguf-q8 (which lays it out "
-                "as Q8_0) or --speed packed."
+                f"{gguf_path.name} is {tensor.type_name}. Use --speed gguf-q8 (which reads it, "
+                "at 8-bit activations) or --speed packed."
             )
         problem = read_problem(tensor)
         if problem:
