@@ -49,11 +49,11 @@ INDEX_FILE = "panels.json"
 # of panels.pack's layout: entries of another version are not read (v1: Q4_1 with float32
 # scales and offsets, 6 bits a weight; since v2 their float16 values, the file's 5)
 LAYOUT_VERSION = 2
-# gguf-q8 with Q6_K as six-bit panels, Q3_K as three-bit ones, IQ4_XS, IQ4_NL and Q4_0 as nibbles
-# of indices and Q5_K, Q5_0 and Q5_1 as five-bit panels (v9: Q3_K as six-bit panels; v8: Q3_K as
-# bytes; v7: Q5_0 as bytes, Q4_1 with float32 scales and offsets; v6: IQ4_NL as bytes, Q4_0 with
-# float scales and offsets; v4: Q6_K only)
-Q8_LAYOUT_VERSION = 10
+# gguf-q8 with Q6_K as six-bit panels, Q3_K as three-bit ones, Q2_K as two-bit ones, IQ4_XS,
+# IQ4_NL and Q4_0 as nibbles of indices and Q5_K, Q5_0 and Q5_1 as five-bit panels (v10: Q2_K as
+# Q8_0; v9: Q3_K as six-bit panels; v8: Q3_K as bytes; v7: Q5_0 as bytes, Q4_1 with float32
+# scales and offsets; v6: IQ4_NL as bytes, Q4_0 with float scales and offsets; v4: Q6_K only)
+Q8_LAYOUT_VERSION = 11
 # gguf with Q6_K and Q3_K as six-bit panels (v1: as bytes; v5: Q4_1 wider; v6: Q3_K as bytes)
 EXACT_SIX_BIT_LAYOUT_VERSION = 7
 
