@@ -280,7 +280,7 @@ def _learn(engine, prompt_ids: list[int], answer_ids: list[int]) -> int:
     """Record the generation in the model's history; the answer tokens it holds now."""
     from selfspec.training.history import History
 
-    return History.for_model(engine.loaded.name).record(prompt_ids, answer_ids)
+    return History.for_model(engine.loaded.key).record(prompt_ids, answer_ids)
 
 
 # -------------------------------------------------------------------------------------- main

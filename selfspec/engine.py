@@ -15,7 +15,9 @@ from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDr
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
 from selfspec.drafters.recycled import RecycledDrafts
 from selfspec.errors import SelfSpecError
+from selfspec.loading.fingerprint import same_weights_as
 from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
+from selfspec.loading.sources import gguf_source, has_gguf_source
 from selfspec.paths import find_default_plan, find_heads
 from selfspec.runtime.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
@@ -118,7 +120,7 @@ class Engine:
     def default_plan(self) -> SkipPlan | None:
         """The user's searched plan for this model and speed mode, else the one shipped with
         selfspec (a mode without its own borrows the closest: see ``selfspec.paths``)."""
-        path = find_default_plan(self.loaded.name, self.loaded.speed)
+        path = find_default_plan(self.loaded.key, self.loaded.speed)
         return self.load_plan(path) if path is not None else None
 
     def load_plan(self, path) -> SkipPlan:
@@ -161,9 +163,26 @@ class Engine:
         )
 
     def default_heads(self) -> DraftHeads | None:
-        """The draft heads trained for this model (``selfspec train-heads``), if any."""
-        path = find_heads(self.loaded.name)
-        return self.load_heads(path) if path is not None else None
+        """The draft heads trained for this model (``selfspec train-heads``), if any; else, for a
+        GGUF file that holds a bundled model's weights quantized another way, that model's
+        (``selfspec.loading.fingerprint``)."""
+        path = find_heads(self.loaded.key)
+        if path is not None:
+            return self.load_heads(path)
+        donor = self.weights_of()
+        path = find_heads(donor) if donor is not None else None
+        if path is None:
+            return None
+        heads = self.load_heads(path)
+        heads.borrowed_from = donor
+        return heads
+
+    def weights_of(self) -> str | None:
+        """The bundled model whose weights this model's GGUF file holds, if another file."""
+        loaded = self.loaded
+        if loaded.key == loaded.name or not has_gguf_source(loaded.name, loaded.path):
+            return None
+        return same_weights_as(gguf_source(loaded.name, loaded.path))
 
     def resolve_heads(self, heads: bool | str | DraftHeads) -> DraftHeads | None:
         """Draft heads as ``self_drafter`` takes them: True (the model's own, if any), a file,

@@ -12,6 +12,7 @@ A plan the user searched wins over the shipped one for the same model and mode.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -29,6 +30,21 @@ def cache_dir() -> Path:
 
 def cached_model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
+
+
+def model_key(model_name: str, model_dir: str | Path) -> str:
+    """The name a model's own files go under in the cache (its heads, plans and record of use),
+    never a path, so they stay out of the user's folders: a bundled model's or hub id's name (a
+    hub id's "/" as "--"); a local .gguf file's cache entry, named by its content hash, so a
+    renamed or moved file keeps them; a local folder's name and a hash of where it is."""
+    folder = Path(model_dir)
+    if folder.parent == cache_dir() / "models" and folder.name.startswith("gguf-"):
+        return folder.name
+    local = Path(model_name).expanduser()
+    if local.exists():
+        where = hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:12]
+        return f"{local.name}-{where}"
+    return model_name.replace("/", "--")
 
 
 def staging_root() -> Path:

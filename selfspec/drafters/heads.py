@@ -88,6 +88,9 @@ class DraftHeads:
     frequent: torch.Tensor | None = None
     downs: list[torch.Tensor] | None = None
     down_biases: list[torch.Tensor] | None = None
+    # the bundled model whose heads these are, lent to a file of its weights quantized another
+    # way (Engine.default_heads); not saved with them
+    borrowed_from: str | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -112,7 +115,7 @@ class DraftHeads:
         return self.frequent[self.frequent < size][:FREQUENT_IDS]
 
     def mapped(self, change: Callable[[torch.Tensor], torch.Tensor]) -> DraftHeads:
-        """These heads with ``change`` applied to every weight and bias (info, frequent kept)."""
+        """These heads with ``change`` applied to every weight and bias (the rest kept)."""
 
         def changed(tensors):
             return None if tensors is None else [change(t) for t in tensors]
@@ -124,6 +127,7 @@ class DraftHeads:
             self.frequent,
             changed(self.downs),
             changed(self.down_biases),
+            self.borrowed_from,
         )
 
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
@@ -141,7 +145,9 @@ class DraftHeads:
         eye = torch.eye(self.hidden_size, device=self.weights[0].device)
         downs = [eye.clone() for _ in self.weights]
         zeros = [torch.zeros_like(b) for b in self.biases]
-        return DraftHeads(self.weights, self.biases, self.info, self.frequent, downs, zeros)
+        return DraftHeads(
+            self.weights, self.biases, self.info, self.frequent, downs, zeros, self.borrowed_from
+        )
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save
@@ -225,6 +231,8 @@ class DraftHeads:
             if learned
             else ""
         )
+        if self.borrowed_from:  # a file of the same weights, quantized another way
+            source += f", {self.borrowed_from}'s (this file holds its weights)"
         return f"{len(self)} chained draft head(s){layers} on the final hidden state{kept}{source}"
 
     def steps(self) -> list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:

@@ -21,7 +21,7 @@ from selfspec.loading.sources import (
     is_cached,
     resolve_model_dir,
 )
-from selfspec.paths import cache_dir
+from selfspec.paths import cache_dir, model_key
 
 
 @dataclass
@@ -42,6 +42,11 @@ class LoadedModel:
         None  # the kernel's DecoderLayer per layer (selfspec.speed.fused), if fused
     )
     device_map: dict | None = None  # module name -> device, for a model spread over devices
+
+    @property
+    def key(self) -> str:
+        """The name this model's heads, plans and record of use go under (``paths.model_key``)."""
+        return model_key(self.name, self.path)
 
     @property
     def device(self):

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         open_storage(args.storage)  # so does a bad storage URL
     engine = load_engine(args)
     # Without --out a bundled model's plan goes to the user's plan folder for the mode that runs.
-    out = Path(args.out) if args.out else default_out(engine.loaded.name, engine.loaded.speed)
+    out = Path(args.out) if args.out else default_out(engine.loaded.key, engine.loaded.speed)
     config = SearchConfig(
         prompts=prompts,
         trials=args.trials,

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
-from selfspec.loading.sources import KNOWN_MODELS
 from selfspec.paths import user_plan_path
 from selfspec.prompts import Prompt, load_prompts
 from selfspec.runtime.decode import check_context
@@ -50,10 +49,10 @@ def stderr_log(message: str) -> None:
     print(f"[selfspec search] {message}", file=sys.stderr, flush=True)
 
 
-def default_out(model_name: str, speed: str | None = None) -> Path:
-    """A bundled model's plan goes to the user's plan folder (where `generate` looks first);
-    any other model's to ./plan.json."""
-    return user_plan_path(model_name, speed) if model_name in KNOWN_MODELS else Path("plan.json")
+def default_out(model_key: str, speed: str | None = None) -> Path:
+    """Every model's plan goes to the user's plan folder, under its key (``paths.model_key``),
+    where `generate` looks first."""
+    return user_plan_path(model_key, speed)
 
 
 def _study_slug(model_name: str) -> str:
@@ -342,7 +341,7 @@ def _prepare(engine: Engine, prompts, limit, tokens, out, chat, prompts_label) -
     lengths = {f"prompt {p.id}": len(ids) for p, ids in zip(prompt_list, prompt_ids)}
     # 16 spare positions: a draft can run past the continuation's end
     check_context(lengths, tokens + 16, engine.runner.context_window, "--tokens")
-    out = Path(out) if out is not None else default_out(engine.loaded.name, engine.loaded.speed)
+    out = Path(out) if out is not None else default_out(engine.loaded.key, engine.loaded.speed)
     current = _current_plan(out, engine)
     folder = out.parent if str(out.parent) else Path(".")
     folder.mkdir(parents=True, exist_ok=True)

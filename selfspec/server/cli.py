@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
-    history = History.for_model(engine.loaded.name) if args.learn else None
+    history = History.for_model(engine.loaded.key) if args.learn else None
     trainer = idle_trainer(args, engine, history)
     scheduler = Scheduler(
         engine,
@@ -268,4 +268,4 @@ def idle_trainer(args: argparse.Namespace, engine, history):
     if args.dtype:
         model_args += ["--dtype", args.dtype]
     hidden = engine.runner.model.config.hidden_size
-    return IdleTrainer(engine.loaded.name, model_args, history, settings, hidden)
+    return IdleTrainer(engine.loaded.key, model_args, history, settings, hidden)

@@ -64,7 +64,7 @@ class IdleTrainer:
 
     def __init__(
         self,
-        model_name: str,
+        model_key: str,
         model_args: list[str],
         history: History,
         settings: IdleTraining,
@@ -73,7 +73,7 @@ class IdleTrainer:
     ):
         self.model_args, self.history, self.settings = model_args, history, settings
         self.hidden_size, self.say = hidden_size, say
-        self.heads_path = user_heads_path(model_name)
+        self.heads_path = user_heads_path(model_key)
         self.out = self.heads_path.with_name(".heads.training.safetensors")
         self.log = history.path.with_suffix(".training.log")
         self.lock = threading.Lock()

@@ -96,14 +96,14 @@ def run(args) -> int:
     history = None
     if args.from_history is not None:
         history = History(Path(args.from_history)) if args.from_history else None
-        history = history or History.for_model(engine.loaded.name)
+        history = history or History.for_model(engine.loaded.key)
     if history is not None and not history.path.is_file():
         raise SelfSpecError(
             f"no history for {engine.loaded.name} at {history.path}: use the model with --learn "
             "(selfspec generate or serve) first"
         )
     start = None if args.fresh or history is None else starting_heads(engine, args)
-    out = Path(args.out) if args.out else user_heads_path(engine.loaded.name)
+    out = Path(args.out) if args.out else user_heads_path(engine.loaded.key)
     work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
     heads = train_heads(
         engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
