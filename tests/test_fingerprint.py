@@ -11,6 +11,7 @@ from tiny_gguf import write_tiny
 
 from selfspec.drafters.heads import DraftHeads
 from selfspec.loading import fingerprint
+from selfspec.loading.check import check_model_file
 from selfspec.loading.sources import ensure_bundled, gguf_source
 
 HEADS = Path(fingerprint.__file__).parents[1] / "plans"
@@ -56,5 +57,7 @@ def test_every_lender_ships_a_fingerprint_of_its_heads_width():
 def test_a_bundled_file_matches_its_own_fingerprint_only():
     path = gguf_source("qwen2.5-coder-0.5b", ensure_bundled("qwen2.5-coder-0.5b"))
     assert fingerprint.same_weights_as(path) == "qwen2.5-coder-0.5b"
+    assert "draft heads: qwen2.5-coder-0.5b's" in "\n".join(check_model_file(path).lines())
     smollm2 = gguf_source("smollm2-135m", ensure_bundled("smollm2-135m"))
     assert fingerprint.same_weights_as(smollm2) is None
+    assert check_model_file(smollm2).heads_of is None

@@ -23,6 +23,7 @@ class CheckReport:
     types: dict[str, int] = field(default_factory=dict)  # tensor type -> tensors of that type
     modes: dict[str, str] = field(default_factory=dict)  # speed mode -> "yes", or why not / how
     problem: str | None = None  # why no mode loads it
+    heads_of: str | None = None  # the bundled model whose weights (and draft heads) a GGUF holds
 
     @property
     def loads(self) -> bool:
@@ -39,6 +40,10 @@ class CheckReport:
         out += [f"  --speed {mode}: {verdict}" for mode, verdict in self.modes.items()]
         if self.problem:
             out.append(f"  does not load: {self.problem}")
+        elif self.heads_of:
+            out.append(f"  draft heads: {self.heads_of}'s (this file holds its weights)")
+        elif self.types:
+            out.append("  draft heads: none shipped for these weights (selfspec train-heads)")
         return out
 
 
@@ -79,6 +84,7 @@ def _check_folder(folder: Path) -> CheckReport:
 def _check_gguf(path: Path) -> CheckReport:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
+    from selfspec.loading.fingerprint import same_weights_as
     from selfspec.loading.gguf_reader import read_gguf
     from selfspec.speed.blocks import DECODERS, Q8_DECODERS, read_problem
 
@@ -108,4 +114,5 @@ def _check_gguf(path: Path) -> CheckReport:
     report.modes = {"torch": "yes (float32 copy)", "packed": "yes (float32 copy)"}
     report.modes["gguf"] = "yes" if not inexact else f"no ({', '.join(inexact)} not read exactly)"
     report.modes["gguf-q8"] = "yes" if not relaid else f"yes ({', '.join(relaid)} laid out as Q8_0)"
+    report.heads_of = same_weights_as(path)
     return report
