@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
@@ -17,7 +18,7 @@ from selfspec.drafters.recycled import RecycledDrafts
 from selfspec.errors import SelfSpecError
 from selfspec.loading.fingerprint import same_weights_as
 from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
-from selfspec.loading.sources import gguf_source, has_gguf_source
+from selfspec.loading.sources import KNOWN_MODELS, gguf_source, has_gguf_source
 from selfspec.paths import find_default_plan, find_heads
 from selfspec.runtime.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
@@ -169,7 +170,7 @@ class Engine:
         path = find_heads(self.loaded.key)
         if path is not None:
             return self.load_heads(path)
-        donor = self.weights_of()
+        donor = self.weights_of
         path = find_heads(donor) if donor is not None else None
         if path is None:
             return None
@@ -177,10 +178,11 @@ class Engine:
         heads.borrowed_from = donor
         return heads
 
+    @cached_property
     def weights_of(self) -> str | None:
         """The bundled model whose weights this model's GGUF file holds, if another file."""
         loaded = self.loaded
-        if loaded.key == loaded.name or not has_gguf_source(loaded.name, loaded.path):
+        if loaded.name in KNOWN_MODELS or not has_gguf_source(loaded.name, loaded.path):
             return None
         return same_weights_as(gguf_source(loaded.name, loaded.path))
 

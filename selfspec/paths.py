@@ -38,12 +38,11 @@ def model_key(model_name: str, model_dir: str | Path) -> str:
     hub id's "/" as "--"); a local .gguf file's cache entry, named by its content hash, so a
     renamed or moved file keeps them; a local folder's name and a hash of where it is."""
     folder = Path(model_dir)
-    if folder.parent == cache_dir() / "models" and folder.name.startswith("gguf-"):
+    if folder.parent == cache_dir() / "models":  # a bundled model, or a local .gguf's entry
         return folder.name
-    local = Path(model_name).expanduser()
-    if local.exists():
-        where = hashlib.sha256(str(local.resolve()).encode()).hexdigest()[:12]
-        return f"{local.name}-{where}"
+    if Path(model_name).expanduser().exists():
+        where = folder.resolve()
+        return f"{where.name}-{hashlib.sha256(str(where).encode()).hexdigest()[:12]}"
     return model_name.replace("/", "--")
 
 

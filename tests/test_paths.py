@@ -50,7 +50,7 @@ def test_a_searched_plan_wins_and_modes_borrow_the_closest(cache):
     assert find_default_plan("qwen2.5-coder-0.5b", "gguf-q8") == packaged_plan("qwen2.5-coder-0.5b")
 
 
-def test_a_model_s_files_go_under_a_name_never_a_path(cache, tmp_path):
+def test_a_model_s_files_go_under_a_name_never_a_path(cache, tmp_path, monkeypatch):
     folder = tmp_path / "my model"
     folder.mkdir()
     gguf = tmp_path / "elsewhere" / "model.gguf"  # its cache entry is named by its content
@@ -73,3 +73,7 @@ def test_a_model_s_files_go_under_a_name_never_a_path(cache, tmp_path):
     other = tmp_path / "other" / "my model"
     other.mkdir(parents=True)
     assert model_key(str(other), other) != local  # two folders of one name keep apart
+    monkeypatch.chdir(tmp_path)  # a folder of a bundled model's name here: the bundled one loads
+    (tmp_path / "qwen2.5-coder-0.5b").mkdir()
+    bundled = cache / "models" / "qwen2.5-coder-0.5b"
+    assert model_key("qwen2.5-coder-0.5b", bundled) == "qwen2.5-coder-0.5b"

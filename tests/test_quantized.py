@@ -3,6 +3,8 @@
 for bit, the 8-bit-activation kernel computes its documented formula, and decoding in either mode is
 lossless with respect to plain decoding in that mode."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -166,7 +168,6 @@ def test_six_and_three_bit_panels_give_the_byte_layout_s_bits(type_name):
     rows, columns = 192, 1536
     decoded = blocks.decode(random_blocks(type_name, rows, columns, seed=11), type_name, rows)
     assert panels.has_six_bits(decoded)
-    assert panels.has_three_bits(decoded) == (type_name == "Q3_K")  # Q6_K's q span [-32, 31]
     wq = panels.pack(decoded, vnni=True)
     packed = pack_panels(decoded)
     assert packed.shape[1] == kernel.quant_panel_bytes(format, 16, columns)
@@ -178,6 +179,11 @@ def test_six_and_three_bit_panels_give_the_byte_layout_s_bits(type_name):
     assert module.quant_weight.shape == (packed if kernel.q8_six_bits() else wq).shape
     x = tile_activations(3)
     assert_byte_layout_bits(kernel, x, wq, packed, format, 16, bias, module)
+    # the file's type decides, never the values: Q6_K rows that fit in three bits stay six-bit
+    small = dataclasses.replace(decoded, q=np.clip(decoded.q, -4, 3))
+    expected = blocks.SIX_BITS if type_name == "Q6_K" else blocks.THREE_BITS
+    layout = quantized.Q8Linear.lay_out(small, type_name, kernel)[1]
+    assert layout == (expected if kernel.q8_six_bits() else blocks.BYTES)
 
 
 # 4-bit indices held as nibble panels in gguf-q8: (format, bits a weight there, in the byte layout)

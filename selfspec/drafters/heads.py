@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,14 +120,12 @@ class DraftHeads:
         def changed(tensors):
             return None if tensors is None else [change(t) for t in tensors]
 
-        return DraftHeads(
-            changed(self.weights),
-            changed(self.biases),
-            self.info,
-            self.frequent,
-            changed(self.downs),
-            changed(self.down_biases),
-            self.borrowed_from,
+        return replace(
+            self,
+            weights=changed(self.weights),
+            biases=changed(self.biases),
+            downs=changed(self.downs),
+            down_biases=changed(self.down_biases),
         )
 
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
@@ -145,9 +143,7 @@ class DraftHeads:
         eye = torch.eye(self.hidden_size, device=self.weights[0].device)
         downs = [eye.clone() for _ in self.weights]
         zeros = [torch.zeros_like(b) for b in self.biases]
-        return DraftHeads(
-            self.weights, self.biases, self.info, self.frequent, downs, zeros, self.borrowed_from
-        )
+        return replace(self, downs=downs, down_biases=zeros)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save

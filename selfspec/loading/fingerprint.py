@@ -40,10 +40,7 @@ def _rows(tensor: GGUFTensor) -> np.ndarray:
     """The fingerprint's rows of an embedding, as float32 [ROWS, columns]."""
     from selfspec.speed.blocks import dequantize  # selfspec.speed imports selfspec.loading
 
-    ids = _row_ids(tensor.rows)
-    return np.concatenate(
-        [dequantize(tensor.read_rows(i, i + 1), tensor.type_name, 1) for i in ids]
-    )
+    return dequantize(np.array(tensor.data[_row_ids(tensor.rows)]), tensor.type_name, ROWS)
 
 
 def write_fingerprint(gguf_path: Path, out: Path) -> None:

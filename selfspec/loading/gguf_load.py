@@ -299,7 +299,7 @@ def _append_panels(fh, model: nn.Module, tensor: GGUFTensor, cls, kernel) -> dic
     for first in range(0, tensor.rows, _CHUNK_ROWS):
         last = min(tensor.rows, first + _CHUNK_ROWS)
         decoded = decode_rows(model, tensor, first, last, relay=cls.vnni)
-        panels, format, group = cls.lay_out(decoded, kernel)
+        panels, format, group = cls.lay_out(decoded, tensor.type_name, kernel)
         panels.numpy().tofile(fh)
     where = {"offset": offset, "bytes": fh.tell() - offset, "panels": tensor.rows // PANEL}
     return {**where, "layout": [format, group, layer_type(tensor.type_name, cls.vnni)]}

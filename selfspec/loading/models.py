@@ -8,6 +8,7 @@ from float32 weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from selfspec.errors import SelfSpecError
@@ -43,7 +44,7 @@ class LoadedModel:
     )
     device_map: dict | None = None  # module name -> device, for a model spread over devices
 
-    @property
+    @cached_property
     def key(self) -> str:
         """The name this model's heads, plans and record of use go under (``paths.model_key``)."""
         return model_key(self.name, self.path)

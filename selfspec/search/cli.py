@@ -63,9 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="plan to write (default: for a bundled model the user's plan folder, "
-        "~/.cache/selfspec/plans/<model>/, where `selfspec generate` looks first; else "
-        "./plan.json)",
+        help="plan to write (default: the user's plan folder, ~/.cache/selfspec/plans/<model>/, "
+        "where `selfspec generate` looks first)",
     )
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     parser.add_argument(

@@ -186,9 +186,15 @@ def _q4_0(raw, rows):
     return Decoded(q, d, -8 * d, 32, NIBBLES, (half,), Q4_LEVELS)
 
 
+def _bit_pairs(packed: np.ndarray) -> np.ndarray:
+    """Q3_K's and Q2_K's 64 bytes of 2-bit values per 256 weights -> [blocks, 256]: weight
+    128 h + 32 j + l is bits 2j..2j+1 of byte 32 h + l."""
+    return ((packed.reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS.reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+
+
 def _q3_k(raw, rows):
     b = _blocks(raw, 110)  # 32 bytes of high bits, 64 of 2-bit pairs, 12 of 6-bit scales, d f16
-    low = (b[:, 32:96].reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS.reshape(1, 1, 4, 1)) & 3
+    low = _bit_pairs(b[:, 32:96])
     high = (b[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     q = low.reshape(-1, 256).astype(np.int8) - ((high.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
     scales = b[:, 96:108]
@@ -204,7 +210,7 @@ def _q3_k(raw, rows):
 
 def _q2_k(raw, rows):
     b = _blocks(raw, 84)  # 16 bytes of 4-bit sc (low) and m (high), 64 of 2-bit pairs, d, dmin f16
-    q = (b[:, 16:80].reshape(-1, 2, 1, 32) >> _PAIR_SHIFTS.reshape(1, 1, 4, 1)) & 3  # as Q3_K's
+    q = _bit_pairs(b[:, 16:80])
     d, dmin = _half(b[:, 80:82]), _half(b[:, 82:84])
     factors = tuple(f.reshape(rows, -1) for f in (d, dmin, b[:, :16] & 15, b[:, :16] >> 4))
     return Decoded(q.reshape(rows, -1), None, None, 16, TWO_BITS, factors)

@@ -72,12 +72,6 @@ def has_six_bits(decoded: Decoded) -> bool:
     return decoded.format == BYTES and decoded.group == 16 and decoded.factors is not None
 
 
-def has_three_bits(decoded: Decoded) -> bool:
-    """Whether ``decoded`` is a six-bit type whose every q is in [-4, 3] (Q3_K's range), which
-    ``pack_three_bits`` lays out in 3.56 bits a weight."""
-    return has_six_bits(decoded) and decoded.q.min() >= -4 and decoded.q.max() <= 3
-
-
 def _sixteen_steps(decoded: Decoded, bias: int) -> np.ndarray:
     """u = q + ``bias`` as uint8 [P, groups, step, lane * 4 + k % 4]: per group of 16 k, 4 steps
     of 16 lanes x 4 k."""
@@ -105,8 +99,7 @@ def pack_six_bits(decoded: Decoded) -> torch.Tensor:
     bit pairs (four steps a byte), each step 16 lanes x 4 k."""
     u = _sixteen_steps(decoded, 32)
     low = (u[:, :, 0::2] & 15) | ((u[:, :, 1::2] & 15) << 4)
-    high = sum(((u[:, :, t] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
-    return _scaled_superblocks(decoded, low, high)
+    return _scaled_superblocks(decoded, low, _bit_pairs(u >> 4))
 
 
 def pack_three_bits(decoded: Decoded) -> torch.Tensor:

@@ -56,7 +56,6 @@ from selfspec.speed.panels import (
     has_half_five_bits,
     has_lut_nibbles,
     has_six_bits,
-    has_three_bits,
     pack,
     pack_five_bits,
     pack_half_five_bits,
@@ -107,10 +106,11 @@ class QuantLinear(nn.Module):
         return kernel.q8_six_bits() if cls.vnni else kernel.quant_six_bits()
 
     @classmethod
-    def lay_out(cls, decoded: Decoded, kernel) -> tuple[torch.Tensor, int, int]:
-        """(panels, kernel format, group size) of ``decoded`` in this mode."""
+    def lay_out(cls, decoded: Decoded, type_name: str, kernel) -> tuple[torch.Tensor, int, int]:
+        """(panels, kernel format, group size) of ``decoded``, the file's ``type_name``, in this
+        mode (the same for every chunk of a tensor: the type decides, never the values)."""
         if cls.wants_six_bits(kernel) and has_six_bits(decoded):
-            if cls.vnni and has_three_bits(decoded):
+            if cls.vnni and type_name == "Q3_K":
                 return pack_three_bits(decoded), THREE_BITS, 16
             return pack_six_bits(decoded), SIX_BITS, 16
         if cls.vnni and decoded.levels is not None and kernel.q8_lut_nibbles():
@@ -130,7 +130,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_decoded(cls, decoded: Decoded, type_name: str, bias: torch.Tensor | None, kernel):
         out_features, in_features = decoded.q.shape
-        panels, format, group = cls.lay_out(decoded, kernel)
+        panels, format, group = cls.lay_out(decoded, type_name, kernel)
         return cls(in_features, out_features, panels, (format, group, type_name), bias, kernel)
 
     def rows_module(self, ids: torch.Tensor) -> QuantLinear | None:
