@@ -84,7 +84,7 @@ def _check_folder(folder: Path) -> CheckReport:
 def _check_gguf(path: Path) -> CheckReport:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    from selfspec.loading.fingerprint import same_weights_as
+    from selfspec.loading.fingerprint import EMBEDDING, embedding_of
     from selfspec.loading.gguf_reader import read_gguf
     from selfspec.speed.blocks import DECODERS, Q8_DECODERS, read_problem
 
@@ -114,5 +114,5 @@ def _check_gguf(path: Path) -> CheckReport:
     report.modes = {"torch": "yes (float32 copy)", "packed": "yes (float32 copy)"}
     report.modes["gguf"] = "yes" if not inexact else f"no ({', '.join(inexact)} not read exactly)"
     report.modes["gguf-q8"] = "yes" if not relaid else f"yes ({', '.join(relaid)} laid out as Q8_0)"
-    report.heads_of = same_weights_as(path)
+    report.heads_of = embedding_of(gguf.tensors.get(EMBEDDING))  # the header already read
     return report

@@ -71,9 +71,13 @@ def shipped_fingerprints():
 def same_weights_as(gguf_path: Path, fingerprints=None) -> str | None:
     """The model whose weights ``gguf_path`` holds (quantized any way), or None: among the
     bundled models' fingerprints, or ``fingerprints`` ((name, fingerprint file) pairs)."""
+    return embedding_of(gguf_tensors(gguf_path).get(EMBEDDING), fingerprints)
+
+
+def embedding_of(embedding: GGUFTensor | None, fingerprints=None) -> str | None:
+    """``same_weights_as`` for a file's token embedding (None: the file has none)."""
     from safetensors import safe_open
 
-    embedding = gguf_tensors(gguf_path).get(EMBEDDING)
     if embedding is None:
         return None
     ours = None
