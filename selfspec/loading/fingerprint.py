@@ -40,7 +40,7 @@ def _rows(tensor: GGUFTensor) -> np.ndarray:
     """The fingerprint's rows of an embedding, as float32 [ROWS, columns]."""
     from selfspec.speed.blocks import dequantize  # selfspec.speed imports selfspec.loading
 
-    return dequantize(np.array(tensor.data[_row_ids(tensor.rows)]), tensor.type_name, ROWS)
+    return dequantize(tensor.gather_rows(_row_ids(tensor.rows)), tensor.type_name, ROWS)
 
 
 def write_fingerprint(gguf_path: Path, out: Path) -> None:

@@ -90,7 +90,7 @@ class QuantEmbedding(nn.Module):
         self._lock = threading.Lock()  # a drafter's thread may embed beside a pass (profile)
 
     def _decode(self, flat: list[int]) -> torch.Tensor:
-        rows = dequantize(self.tensor.data[flat], self.tensor.type_name, len(flat))
+        rows = dequantize(self.tensor.gather_rows(flat), self.tensor.type_name, len(flat))
         return torch.from_numpy(np.ascontiguousarray(rows, np.float32))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ class QuantLinear(nn.Module):
         tensor, order = self.source
         ids = padded_rows(ids)
         rows = ids.numpy() if order is None else np.asarray(order)[ids.numpy()]
-        decoded = decode(np.array(tensor.data[rows]), tensor.type_name, len(rows), self.vnni)
+        decoded = decode(tensor.gather_rows(rows), tensor.type_name, len(rows), self.vnni)
         bias = self.bias[ids] if self.bias is not None else None
         return type(self).from_decoded(decoded, self.type_name, bias, self.kernel)
 
