@@ -122,6 +122,15 @@ def test_sampling_with_head_drafts_matches_target(peaked_tiny, monkeypatch):
     )
 
 
+def test_a_head_drafter_keeps_the_heads_shapes_and_figures_not_their_numbers(tiny_llama):
+    heads = random_heads(64, 2, 40)
+    drafter = HeadDrafter(tiny_llama.runner, heads)
+    assert len(drafter.heads) == 2 and drafter.heads.hidden_size == 64
+    assert all(t.is_meta for t in drafter.heads.weights + drafter.heads.biases)
+    assert not any(t.is_meta for t in heads.weights)  # the caller's heads are untouched
+    assert drafter.describe() == heads.describe()
+
+
 @pytest.fixture(scope="module")
 def trained(smollm2, tmp_path_factory):
     """Heads trained on the small model's answers to its own questions, and the files."""

@@ -1,6 +1,7 @@
 """Recycled drafts (selfspec.drafters.recycled): the model's own earlier predictions. The table
-learns only from rows that read committed tokens, prefers the pair of tokens to the token alone,
-stays bounded; the drafts are lossless in greedy decoding and in sampling."""
+learns from every row of a pass (rows that read committed tokens winning), prefers the pair of
+tokens to the token alone, stays bounded; the drafts are lossless in greedy decoding and in
+sampling."""
 
 import pytest
 import torch
@@ -35,15 +36,20 @@ def test_the_kernel_s_top_probabilities_are_torch_s_softmax():
     assert top_probability_rows(logits)[1][2] == 0.0
 
 
-def test_only_rows_that_read_committed_tokens_are_learnt():
+def test_every_row_is_learnt_and_rows_that_read_committed_tokens_win():
     table = RecycledTable()
     committed = [1, 2, 3, 4, 5, 9]  # the pass read 3, 4, 5, 6 at positions 2..5: 6 was rejected
     assert table.absorb(committed, rows(2, [3, 4, 5, 6], [4, 5, 9, 11])) == 3
-    assert table.next_token(None, 5)[0] == 9 and table.next_token(None, 6) is None
-    assert table.next_token(2, 3)[0] == 4  # the pair (token before, token) too
+    assert table.next_token(None, 5)[0] == 9 and table.next_token(2, 3)[0] == 4
+    assert table.next_token(5, 6)[0] == 11  # after the rejected draft: still the model's guess
     assert table.next_token(None, 5)[1] == pytest.approx(
         torch.softmax(rows(0, [0], [9]).logits[0], 0)[9]
     )
+    table = RecycledTable()
+    committed = [1, 2, 3, 4]  # the pass read 3, 7, 3 at positions 2..4: 7 was rejected
+    assert table.absorb(committed, rows(2, [3, 7, 3], [4, 3, 8])) == 1
+    assert table.next_token(None, 3)[0] == 4  # the committed row's guess, not the one after 7
+    assert table.next_token(7, 3)[0] == 8 and table.next_token(None, 7)[0] == 3
 
 
 def test_a_pair_it_knows_wins_over_the_token_alone():

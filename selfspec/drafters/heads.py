@@ -131,6 +131,11 @@ class DraftHeads:
     def to(self, device, dtype: torch.dtype = torch.float32) -> DraftHeads:
         return self.mapped(lambda t: t.to(device, dtype))
 
+    def shell(self) -> DraftHeads:
+        """These heads' shapes, figures and ids without their numbers (tensors on the meta
+        device): what a drafter keeps once its products hold the weights they read."""
+        return self.mapped(lambda t: t.to("meta"))
+
     def detached(self) -> DraftHeads:
         """Float32 copies on the CPU, out of any autograd graph (trained heads, kept)."""
         return self.mapped(lambda t: t.detach().float().cpu().clone())
@@ -254,8 +259,10 @@ class HeadDrafter(Drafter):
     def __init__(self, runner: ModelRunner, heads: DraftHeads, stop_ids: tuple[int, ...] = ()):
         super().__init__()
         self.runner = runner
-        self.heads = heads.to(runner.device)
-        self.products, self.down_products = fastest_products(self.heads, runner.device)
+        self.products, self.down_products = fastest_products(heads.to(runner.device), runner.device)
+        # the products hold what drafting reads (8-bit or bfloat16 copies, or the float32 weights
+        # themselves): float32 weights beside a copy would be the heads' size again, unread
+        self.heads = heads.shell()
         base = heads.draft_vocab(runner.head_rows)
         self.vocab = DraftVocab(base, runner.head_rows, always=stop_ids)
         self.vocab.prepare(runner.adapter.model.lm_head)

@@ -72,21 +72,24 @@ class RecycledTable:
         return tokens, chances
 
     def absorb(self, committed: list[int], rows: ScoredRows) -> int:
-        """Learn from a pass's rows that read committed tokens (a row after a rejected draft saw
-        a context that never was). Returns how many rows it learnt from."""
+        """Learn from every row of a pass: a row after a rejected draft saw a context that never
+        was, but what follows its token (and the token before it) there is still the model's
+        own guess, and it fills the table faster; rows that read committed tokens are recorded
+        last, so theirs win where both know a key. Returns how many rows read committed
+        tokens."""
+        if not rows.ids:
+            return 0
         valid = 0
         for i, token in enumerate(rows.ids):
             position = rows.start + i
             if position >= len(committed) or committed[position] != token:
                 break
             valid += 1
-        if not valid:
-            return 0
-        ids, top = top_probability_rows(rows.logits[:valid])
-        for i, (following, p) in enumerate(zip(ids, top)):
-            position = rows.start + i
-            before = committed[position - 1] if position > 0 else None
-            self.record(before, rows.ids[i], following, p)
+        ids, top = top_probability_rows(rows.logits[: len(rows.ids)])
+        first_before = committed[rows.start - 1] if 0 < rows.start <= len(committed) else None
+        for i in [*range(valid, len(rows.ids)), *range(valid)]:
+            before = rows.ids[i - 1] if i else first_before
+            self.record(before, rows.ids[i], ids[i], top[i])
         return valid
 
 
