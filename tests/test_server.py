@@ -380,6 +380,15 @@ def test_the_serving_bench_sends_each_streams_requests_in_turn():
     assert len(requests) == 4
     assert sum(r["completion_tokens"] for r in requests) == result["completion_tokens"]
     assert all(r["prompt_tokens"] > 0 and r["together_seconds"] > 0 for r in requests)
+    # each client's requests (0 and 2, 1 and 3) against the same requests alone
+    clients = result["per_client_vs_alone"]
+    assert len(clients) == 2
+    for s, ratio in enumerate(clients):
+        mine = requests[s::2]
+        tokens = sum(r["completion_tokens"] for r in mine)
+        alone = tokens / sum(r["alone_seconds"] for r in mine)
+        together = tokens / sum(r["together_seconds"] for r in mine)  # greedy: the same tokens
+        assert ratio == pytest.approx(together / alone, rel=0.02)
 
 
 def test_the_turns_bench_finds_the_first_turn_in_the_prefix_cache():

@@ -117,6 +117,10 @@ def _one(client, model: str, prompt: str, tokens: int, sampling: tuple = (0.0, N
     }
 
 
+def _tokens_per_second(requests: list[dict]) -> float:
+    return sum(r["tokens"] for r in requests) / sum(r["seconds"] for r in requests)
+
+
 def _together(
     client, model: str, prompts: list[str], tokens: int, streams: int, samplings: list[tuple]
 ) -> tuple[list[dict], float]:
@@ -184,7 +188,12 @@ def bench_serving(
     if temperature:
         identical = None  # sampled: not compared
     alone_median = statistics.median(a["tok_s"] for a in alone)
-    per_stream = [t["tok_s"] / a["tok_s"] for a, t in zip(alone, together)]
+    per_stream = [t["tok_s"] / a["tok_s"] for a, t in zip(alone, together)]  # per request
+    # per client: its requests' tokens over their seconds, among the streams against alone
+    per_client = [
+        _tokens_per_second(together[s::streams]) / _tokens_per_second(alone[s::streams])
+        for s in range(min(streams, len(prompts)))
+    ]
     aggregate = sum(t["tokens"] for t in together) / seconds
     return {
         "model": model,
@@ -200,6 +209,7 @@ def bench_serving(
         "aggregate_vs_one_stream": round(aggregate / alone_median, 3),
         "per_stream_vs_alone_min": round(min(per_stream), 3),
         "per_stream_vs_alone_median": round(statistics.median(per_stream), 3),
+        "per_client_vs_alone": [round(r, 3) for r in per_client],
         "answers_identical_to_solo": identical,
         # where the together phase's time went, from the server's own counters
         "together_seconds": round(seconds, 3),
@@ -210,6 +220,7 @@ def bench_serving(
             {
                 "prompt_tokens": a["prompt_tokens"],
                 "completion_tokens": a["tokens"],
+                "together_completion_tokens": t["tokens"],
                 "alone_seconds": round(a["seconds"], 3),
                 "together_seconds": round(t["seconds"], 3),
                 "together_vs_alone": round(t["tok_s"] / a["tok_s"], 3),
