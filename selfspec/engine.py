@@ -19,6 +19,7 @@ from selfspec.errors import SelfSpecError
 from selfspec.loading.fingerprint import same_weights_as
 from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
 from selfspec.loading.sources import KNOWN_MODELS, gguf_source, has_gguf_source
+from selfspec.memory import return_freed_memory
 from selfspec.paths import find_default_plan, find_heads
 from selfspec.runtime.decode import DecodeConfig, DecodeStats, generate_ids
 from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_matches, load_plan
@@ -154,14 +155,17 @@ class Engine:
         if layer_skip:
             plan = plan or self.default_plan()
             skipper = self.layer_skip_drafter(plan) if plan is not None else None
-        head_drafter = None
-        if heads:
-            found = self.resolve_heads(heads)
-            head_drafter = HeadDrafter(self.runner, found, self.eos_ids()) if found else None
+        head_drafter = self._head_drafter(heads) if heads else None
         recycler = RecycledDrafts(self.runner) if recycled else None
-        return AdaptiveDrafter(
+        drafter = AdaptiveDrafter(
             self.runner.head_rows, skipper, heads=head_drafter, recycled=recycler
         )
+        return_freed_memory()  # what building the drafters freed
+        return drafter
+
+    def _head_drafter(self, heads: bool | str | DraftHeads) -> HeadDrafter | None:
+        found = self.resolve_heads(heads)
+        return HeadDrafter(self.runner, found, self.eos_ids()) if found else None
 
     def default_heads(self) -> DraftHeads | None:
         """The draft heads trained for this model (``selfspec train-heads``), if any; else, for a

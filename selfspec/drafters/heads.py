@@ -37,6 +37,7 @@ from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, 
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
 from selfspec.kernels import PANEL, loaded_kernel
+from selfspec.memory import return_freed_memory
 from selfspec.runtime.draft_vocab import DraftVocab
 from selfspec.runtime.sampling import argmax_rows, sample
 
@@ -266,6 +267,9 @@ class HeadDrafter(Drafter):
         base = heads.draft_vocab(runner.head_rows)
         self.vocab = DraftVocab(base, runner.head_rows, always=stop_ids)
         self.vocab.prepare(runner.adapter.model.lm_head)
+        # the arithmetic timed and not chosen, the rows read and decoded for the vocabulary's
+        # head: together about the heads' size again
+        return_freed_memory()
         self._hidden: torch.Tensor | None = None  # final hidden state of the pending token's row
         self._after_prefill = True
         self._inputs: dict[int, torch.Tensor] = {}  # token -> token_input of its embedding

@@ -7,7 +7,6 @@ from float32 weights.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,6 +22,7 @@ from selfspec.loading.sources import (
     is_cached,
     resolve_model_dir,
 )
+from selfspec.memory import return_freed_memory
 from selfspec.paths import cache_dir, model_key
 
 
@@ -118,7 +118,7 @@ def load_model(
     if own_skeleton and layers is None and isinstance(model, CausalLM):
         # a layer the kernel cannot fuse: selfspec's skeleton runs only fused layers
         model, layers = load_weights(name_or_path, folder, device, dtype, speed, fused, False)
-    _return_freed_memory()
+    return_freed_memory()  # what loading freed (the parsed tokenizer file, decoded blocks)
     return LoadedModel(
         name=name_or_path, model=model, tokenizer=tokenizer, path=folder, speed=speed, fused=layers
     )
@@ -225,14 +225,3 @@ def unmodified(loaded: LoadedModel) -> LoadedModel:
     copy = load_model(loaded.name, device=str(loaded.device), dtype=loaded.dtype, speed="torch")
     copy.name = loaded.name
     return copy
-
-
-def _return_freed_memory() -> None:
-    """Give the memory loading freed back to the system. glibc keeps freed heap pages (the parsed
-    tokenizer file, a layer's decoded blocks) resident for reuse; a model of a few hundred MB
-    would carry tens of MB of them for its whole life."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
