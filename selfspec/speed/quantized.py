@@ -280,7 +280,7 @@ def raw_rows(model: nn.Module, tensor, first: int, last: int) -> np.ndarray:
     order = adapter_for(model).gguf_row_order(tensor.name, tensor.rows)
     if order is None:
         return tensor.read_rows(first, last)
-    return tensor.read_rows(0, tensor.rows)[order[first:last]]  # rows from all over the tensor
+    return tensor.gather_rows(order[first:last])  # rows from all over the tensor
 
 
 def decode_rows(
