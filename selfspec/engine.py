@@ -14,7 +14,7 @@ from functools import cached_property
 
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
-from selfspec.drafters.recycled import RecycledDrafts
+from selfspec.drafters.recycled import WIDTH, RecycledDrafts
 from selfspec.errors import SelfSpecError
 from selfspec.loading.fingerprint import same_weights_as
 from selfspec.loading.models import DEFAULT_MODEL, LoadedModel, check_same_tokenizer, load_model
@@ -145,20 +145,23 @@ class Engine:
         layer_skip: bool = True,
         heads: bool | str | DraftHeads = True,
         recycled: bool = True,
+        trees: bool = False,
     ) -> AdaptiveDrafter:
         """The default drafter: context n-gram drafts, draft heads (``heads``: the model's own if
         True, a file's, loaded ones, or none if False), recycled drafts (the model's own earlier
         predictions; none if ``recycled`` is False) and layer-skip drafts with ``plan`` (default:
         the model's plan, if it has one) where they pay, chosen round by round from measured
-        costs. ``layer_skip=False``: no layer-skip drafts. Works without any plan or heads."""
+        costs. ``layer_skip=False``: no layer-skip drafts; ``trees=True``: recycled drafts may
+        branch where the loop verifies trees (greedy, kernel modes; measured not to pay on the
+        CPUs in docs/performance.md, hence off). Works without any plan or heads."""
         skipper = None
         if layer_skip:
             plan = plan or self.default_plan()
             skipper = self.layer_skip_drafter(plan) if plan is not None else None
         head_drafter = self._head_drafter(heads) if heads else None
-        recycler = RecycledDrafts(self.runner) if recycled else None
+        recycler = RecycledDrafts(self.runner, width=WIDTH if trees else 1) if recycled else None
         drafter = AdaptiveDrafter(
-            self.runner.head_rows, skipper, heads=head_drafter, recycled=recycler
+            self.runner.head_rows, skipper, heads=head_drafter, recycled=recycler, trees=trees
         )
         return_freed_memory()  # what building the drafters freed
         return drafter

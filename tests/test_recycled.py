@@ -149,3 +149,133 @@ def test_sampling_with_recycled_drafts_matches_the_target(sharper_tiny, monkeypa
         return second_token_counts(engine, prompt, sampling, 1500, make, "recycled", (0.1, 0.9))
 
     assert_keeps_target_distribution(engine, prompt, sampling, second_tokens, monkeypatch)
+
+
+def test_kernel_top_k_is_torch_s_softmax_top_k():
+    from selfspec.runtime.sampling import top_k_probability_rows
+
+    if not kernel_available():
+        pytest.skip("the CPU kernel cannot be built")
+    load_kernel()
+    logits = torch.randn(4, 151936, generator=torch.Generator().manual_seed(1)) * 4
+    logits[1, 77] = logits[1, 78] = logits[1, 90] = 30.0  # ties: the lower id first
+    ids, probs = top_k_probability_rows(logits, 3)
+    expected, expected_ids = torch.softmax(logits, dim=-1).topk(3, dim=-1)
+    assert ids[0] == expected_ids[0].tolist() and ids[1] == [77, 78, 90]
+    assert sum(probs, []) == pytest.approx(expected.flatten().tolist(), rel=1e-4)
+    logits[2, 5] = float("inf")  # nothing to tell: the argmax, probability 0, then -1
+    ids, probs = top_k_probability_rows(logits, 3)
+    assert ids[2] == [5, -1, -1] and probs[2] == [0.0, 0.0, 0.0]
+
+
+def test_trees_grow_the_most_likely_nodes_first_within_their_depth():
+    table = RecycledTable(width=3)
+    table.record(None, 1, following=[2, 3], probability=[0.6, 0.25])
+    table.record(1, 2, following=[4, 5], probability=[0.5, 0.4])
+    table.record(1, 3, following=[6], probability=[0.9])
+    table.record(2, 4, following=[7], probability=[0.1])  # 0.6 * 0.5 * 0.1 < MIN_CHANCE
+    tokens, parents, chances = table.tree(0, 1, nodes=8, depth=4)
+    assert tokens == [2, 4, 3, 5, 6] and parents == [-1, 0, -1, 0, 2]
+    assert chances == pytest.approx([0.6, 0.3, 0.25, 0.24, 0.225])
+    assert table.tree(0, 1, nodes=2, depth=4)[0] == [2, 4]
+    assert table.tree(0, 1, nodes=8, depth=1)[0] == [2, 3]  # no deeper than asked
+    assert table.tree(0, 15, nodes=8, depth=4) == ([], [], [])
+    assert table.chain(0, 1, limit=4)[0] == [2, 4]  # a chain follows each key's first
+
+
+def test_a_tree_keeps_the_path_the_target_s_argmax_follows():
+    from selfspec.drafters import Draft
+    from selfspec.runtime.decode import accept_tree
+
+    # the pending token, then 2 and 3 after it; 4 after 2, 5 after 3
+    draft = Draft([2, 3, 4, 5], parents=[-1, -1, 0, 1])
+    logits = torch.zeros(5, VOCAB)
+    for row, best in enumerate([3, 9, 9, 9, 11]):  # row 0 picks 3 (draft 1), its row picks 5
+        logits[row, best] = 1.0
+    logits[2, 5] = 2.0  # row 2 is draft 1's (token 3): the target's next is 5, draft 3
+    assert accept_tree(draft, logits) == ([1, 3], 11)
+    logits[0] = 0
+    logits[0, 8] = 1.0  # no child of the pending token matches: nothing kept
+    assert accept_tree(draft, logits) == ([], 8)
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tmp_path_factory):
+    """The tiny llama through the kernel's layer stack, where drafts may be trees."""
+    from tiny_models import TINY_SHAPE, word_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from selfspec.engine import Engine
+    from selfspec.loading.models import load_model
+
+    if not kernel_available():
+        pytest.skip("the CPU kernel cannot be built")
+    torch.manual_seed(0)
+    # four key-value heads: 64 outputs, a whole kernel panel group, so the layers fuse
+    model = LlamaForCausalLM(LlamaConfig(**dict(TINY_SHAPE, num_key_value_heads=4)))
+    with torch.no_grad():  # a sharper head: fewer near-ties between the top two tokens
+        model.lm_head.weight.mul_(4)
+    folder = tmp_path_factory.mktemp("tiny-packed")
+    model.save_pretrained(folder)
+    word_level_tokenizer().save_pretrained(folder)
+    return Engine(load_model(str(folder), speed="packed"))
+
+
+def branching_table(engine, prompt, seed=0) -> RecycledTable:
+    """A table of three next tokens after every token: the model's own top one after the prompt
+    in a random place among two random ones, so trees branch and some branches are right."""
+    generator = torch.Generator().manual_seed(seed)
+    table = RecycledTable(width=3)
+    with torch.inference_mode():
+        for token in range(64):
+            logits = engine.loaded.model(torch.tensor([prompt + [token]])).logits[0, -1]
+            guesses = torch.randint(64, (3,), generator=generator).tolist()
+            guesses[int(torch.randint(3, (1,), generator=generator))] = int(logits.argmax())
+            if len(set(guesses)) == 3:
+                table.record(None, token, guesses, [0.5, 0.3, 0.2])
+    return table
+
+
+def test_a_tree_row_scores_as_the_chain_of_its_ancestors_bit_for_bit(tiny_packed):
+    runner = tiny_packed.runner
+    prompt = [5, 17, 33, 2, 9, 41, 12]
+    tokens, parents = [20, 21, 22, 23, 24, 25], [-1, -1, 0, 1, 1, 4]
+    start = len(prompt) - 1
+    runner.reset(32)
+    runner.forward(torch.tensor(prompt[:-1]), 0)
+    tree, _ = runner.forward(torch.tensor(prompt[-1:] + tokens), start, tree=parents)
+    tree = tree.clone()
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        chain = [tokens[i] for i in reversed(path)]
+        logits, _ = runner.forward(torch.tensor(prompt[-1:] + chain), start)
+        assert torch.equal(tree[node + 1], logits[-1]), f"node {node}"
+
+
+LONG = dict(max_new_tokens=48, eos_token_ids=())  # no end of text: every run as long
+
+
+def test_greedy_tree_drafts_are_identical_to_plain_decoding(tiny_packed):
+    engine = tiny_packed
+    assert engine.runner.trees
+    prompt = [5, 17, 33, 2, 9, 41, 12, 5, 17, 60, 3]
+    plain = engine.generate(prompt, None, config=engine.decode_config(None, **LONG))
+    assert len(plain.token_ids) == 48
+    recycled = RecycledDrafts(engine.runner, branching_table(engine, prompt))
+    vocab = engine.runner.head_rows
+    drafter = AdaptiveDrafter(
+        vocab, planned=False, min_ngram=5, max_tokens=6, recycled=recycled, trees=True
+    )
+    # every round drafts: the guard would pause drafts that cost more than they save here
+    config = engine.decode_config(drafter, fallback=False, **LONG)
+    trees = 0
+    for _ in range(2):  # the second generation drafts from what the first learnt
+        out = engine.generate(prompt, drafter, config=config)
+        assert out.token_ids == plain.token_ids
+        trees += out.stats.tree_rounds
+    _, drafted, accepted = out.stats.sources["recycled"]
+    assert trees >= 5 and drafted > accepted > 0
+    sampled = engine.generate(prompt, drafter, max_new_tokens=8, sampling=Sampling(0.7), seed=0)
+    assert sampled.stats.tree_rounds == 0  # sampling verifies chains

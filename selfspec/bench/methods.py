@@ -1,11 +1,10 @@
 """The benchmarked methods: each runs one greedy generation and reports its tokens and times.
 
-selfspec's own (autoregressive, self_speculative, ngram, recycled, heads, layer_skip, dual_model)
-run through the
-Engine; transformers' (hf_generate, hf_assisted, prompt_lookup) on the model exactly as
-transformers builds it; llama_cpp (plain decoding of the same .gguf) through llama-cpp-python
-when it is installed; llama_server* (llama.cpp's server, plain and per speculation type) when it is
-built (`llama_server.py`).
+selfspec's own (autoregressive, self_speculative, ngram, recycled, recycled_trees, heads,
+layer_skip, dual_model) run through the Engine; transformers' (hf_generate, hf_assisted,
+prompt_lookup) on the model exactly as transformers builds it; llama_cpp (plain decoding of the
+same .gguf) through llama-cpp-python when it is installed; llama_server* (llama.cpp's server,
+plain and per speculation type) when it is built (`llama_server.py`).
 """
 
 from __future__ import annotations
@@ -207,6 +206,11 @@ def _setup_recycled(ctx: BenchContext) -> None:
     ctx.state["recycled"] = ctx.engine.self_drafter(layer_skip=False, heads=False)
 
 
+def _setup_recycled_trees(ctx: BenchContext) -> None:
+    # the same, its recycled drafts branching where the loop verifies trees (what trees add)
+    ctx.state["recycled_trees"] = ctx.engine.self_drafter(layer_skip=False, heads=False, trees=True)
+
+
 def _setup_heads(ctx: BenchContext) -> None:
     # context drafts and the model's draft heads, no layer-skip drafts
     ctx.state["heads"] = ctx.engine.self_drafter(layer_skip=False, heads=ctx.heads)
@@ -366,6 +370,7 @@ METHODS: dict[str, Method] = {
         Method("self_speculative", _drafter_run("self_speculative"), setup=_setup_self_speculative),
         Method("ngram", _drafter_run("ngram"), setup=_setup_ngram),
         Method("recycled", _drafter_run("recycled"), setup=_setup_recycled),
+        Method("recycled_trees", _drafter_run("recycled_trees"), setup=_setup_recycled_trees),
         Method("heads", _drafter_run("heads"), setup=_setup_heads),
         Method("layer_skip", _drafter_run("layer_skip"), needs="plan", setup=_setup_layer_skip),
         Method("dual_model", _drafter_run("dual_model"), needs="draft", setup=_setup_dual_model),
@@ -377,5 +382,8 @@ METHODS: dict[str, Method] = {
         *[_llama_server_method(name) for name in llama_server.SPEC_TYPES],
     ]
 }
-# A bench without --methods runs these: llama.cpp's server only when asked for (one server each).
-ALL_METHODS = tuple(m for m in METHODS if m not in llama_server.SPEC_TYPES)
+# A bench without --methods runs these: llama.cpp's server only when asked for (one server each),
+# and recycled trees, which do not pay on the CPUs measured, too.
+ALL_METHODS = tuple(
+    m for m in METHODS if m not in llama_server.SPEC_TYPES and m != "recycled_trees"
+)

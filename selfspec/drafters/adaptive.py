@@ -155,13 +155,15 @@ class AdaptiveDrafter(Drafter):
         planned: bool = True,
         heads: HeadDrafter | None = None,
         recycled: RecycledDrafts | None = None,
+        trees: bool = False,
     ):
-        """``planned=False``: draft every context match in full, without weighing costs (tests)."""
+        """``planned=False``: draft every context match in full, without weighing costs (tests).
+        ``trees=True``: recycled drafts may branch where the loop verifies trees."""
         super().__init__()
         self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.use_heads(heads)
-        self.recycled = recycled
+        self.recycled, self.trees = recycled, trees
         self.recycled_calibration = Calibration()  # recycled drafts' kept tokens / chances' sum
         self._recycled_chances: list[float] = []  # of the current round's recycled draft
         self.planned = planned
@@ -266,9 +268,17 @@ class AdaptiveDrafter(Drafter):
         have come true) against the verify row it costs; they cost no pass."""
         if self.recycled is None:
             return Draft()
-        tokens, chances = self.recycled.chain(request.committed, limit)
+        parents = None
+        if (
+            request.tree_nodes and self.trees
+        ):  # the most likely nodes first: each prefix of them is a tree
+            nodes = min(request.tree_nodes, self.max_tokens)
+            tokens, parents, chances = self.recycled.tree(request.committed, nodes, limit)
+        else:
+            tokens, chances = self.recycled.chain(request.committed, limit)
         k = len(tokens)
         if self.planned and k:
+            # a node's chance is that of its being kept, so the gains add up as a chain's do
             calibration = self.recycled_calibration.value
             gains = [calibration * c for c in chances]
             k = most_tokens_per_second(gains, lambda n: self.costs.verify_cost(n + 1), 1.0)
@@ -276,6 +286,8 @@ class AdaptiveDrafter(Drafter):
         if not k:
             return Draft()
         tokens, self._recycled_chances = tokens[:k], chances[:k]
+        if parents is not None and parents[:k] != list(range(-1, k - 1)):
+            return Draft(tokens, source="recycled", parents=parents[:k])
         return Draft(tokens, source="recycled")  # certain: q = 1 on each token
 
     def _head_draft(self, request: DraftRequest, limit: int) -> Draft:

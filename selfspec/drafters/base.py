@@ -30,6 +30,9 @@ class DraftRequest:
     max_tokens: int
     sampling: Sampling
     generator: torch.Generator | None
+    # how many tokens a tree draft may hold (0: the loop verifies chains only): trees are verified
+    # in greedy decoding on runners whose rows see only their ancestors (``ModelRunner.trees``)
+    tree_nodes: int = 0
 
 
 @dataclass
@@ -41,6 +44,9 @@ class Draft:
     # hidden states the verify pass can start from (self-drafting only)
     resume: Resume | None = None
     source: str = ""  # which drafter made it (stats)
+    # a tree: token i follows token parents[i] (-1: the pending token), parents before children;
+    # None: a chain (token i follows token i - 1)
+    parents: list[int] | None = None
 
 
 @dataclass

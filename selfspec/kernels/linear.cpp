@@ -70,6 +70,57 @@ std::vector<at::Tensor> top_probability_rows(at::Tensor logits) {
   return {ids, probs};
 }
 
+// The runners-up after ``first``: a sorted list of k - 1, and a vector pass that looks at a
+// chunk's lanes only where one beats the list's last (after the first few chunks, seldom).
+static void runners_up(const float* x, int64_t V, int64_t first, int64_t k, int64_t* ids, float* vals) {
+  int64_t count = 0;
+  float floor = -INFINITY;  // the list's last value once it is full
+  auto offer = [&](int64_t i) {
+    const float value = x[i];
+    if (i == first || !(value > floor || (count < k && value == value))) return;
+    int64_t at = count < k ? count++ : k - 1;
+    while (at > 0 && vals[at - 1] < value) {  // equal values keep the lower index first
+      vals[at] = vals[at - 1], ids[at] = ids[at - 1];
+      --at;
+    }
+    vals[at] = value, ids[at] = i;
+    if (count == k) floor = vals[k - 1];
+  };
+  int64_t i = 0;
+  for (; i + kVec <= V; i += kVec) {
+    unsigned hits = count < k ? (1u << kVec) - 1 : vgreater_lanes(vload(x + i), vset1(floor));
+    for (; hits; hits &= hits - 1) offer(i + __builtin_ctz(hits));
+  }
+  for (; i < V; ++i) offer(i);
+}
+
+std::vector<at::Tensor> top_k_probability_rows(at::Tensor logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.dtype() == at::kFloat, "logits must be [M, V] float32");
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "k must be in 1..V");
+  auto top = top_probability_rows(logits);
+  logits = logits.contiguous();
+  const int64_t M = logits.size(0), V = logits.size(1);
+  auto ids = at::empty({M, k}, at::kLong);
+  auto probs = at::empty({M, k}, at::kFloat);
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* pp = probs.data_ptr<float>();
+  std::fill(ip, ip + M * k, int64_t{-1});
+  std::fill(pp, pp + M * k, 0.0f);
+  std::vector<float> vals(k);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = logits.data_ptr<float>() + m * V;
+    const int64_t first = top[0].data_ptr<int64_t>()[m];
+    const float p = top[1].data_ptr<float>()[m];
+    ip[m * k] = first, pp[m * k] = p;
+    if (p == 0.0f || k == 1) continue;
+    runners_up(x, V, first, k - 1, ip + m * k + 1, vals.data());
+    // p = 1 / sum_j exp(x_j - top): a runner-up's probability is p * exp(x_i - top)
+    for (int64_t j = 1; j < k; ++j)
+      if (ip[m * k + j] >= 0) pp[m * k + j] = p * std::exp(x[ip[m * k + j]] - x[first]);
+  }
+  return {ids, probs};
+}
+
 std::vector<at::Tensor> softmax_partition(at::Tensor logits, double temperature) {
   TORCH_CHECK(logits.dim() == 2 && logits.dtype() == at::kFloat, "logits must be [M, V] float32");
   TORCH_CHECK(temperature > 0, "temperature must be positive");

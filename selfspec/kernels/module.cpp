@@ -17,6 +17,7 @@ using namespace selfspec;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "per row, the first index of the largest value (torch.argmax)");
   m.def("top_probability_rows", &top_probability_rows, "per row, argmax_rows and its softmax probability");
+  m.def("top_k_probability_rows", &top_k_probability_rows, "per row, the k largest logits' ids and probabilities");
   m.def("softmax_partition", &softmax_partition, "per row, the largest logit and softmax(x / T)'s normalizer");
   m.def("sample_row", &sample_row, "an index drawn from softmax(row / T), one index left out");
   m.def("packed_linear", &packed_linear, "y = x @ W^T (+ bias), W packed in 16-wide panels");

@@ -21,6 +21,10 @@ at::Tensor argmax_rows(at::Tensor logits);
 // Per row, argmax_rows' index and that logit's softmax probability (1 / sum_j exp(x_j - max));
 // 0 for a row whose largest value is not finite.
 std::vector<at::Tensor> top_probability_rows(at::Tensor logits);
+// Per row, its k largest logits' indices [M, k] (argmax_rows' first, then by value, ties to the
+// lower index) and their softmax probabilities [M, k]; a row whose largest value is not finite
+// gets argmax_rows' index, probability 0, and -1 after it.
+std::vector<at::Tensor> top_k_probability_rows(at::Tensor logits, int64_t k);
 // Per row of logits [M, V] float32: its largest value and sum_j exp((x_j - max) / temperature),
 // the normalizer of softmax(x / temperature) (NaN where the largest value is not finite).
 std::vector<at::Tensor> softmax_partition(at::Tensor logits, double temperature);

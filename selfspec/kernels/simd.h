@@ -27,6 +27,7 @@ inline vec u8_to_vec(const uint8_t* p) {
 }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline unsigned vequal_lanes(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }  // bit i: lane i equal
+inline unsigned vgreater_lanes(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }  // bit i: a > b
 inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec vpow2(vec n) { return _mm512_scalef_ps(vset1(1.0f), n); }  // 2^n for whole n in [-126, 127]
 // x >= bound ? y : 0, lane by lane
@@ -63,6 +64,7 @@ inline vec u8_to_vec(const uint8_t* p) {
 }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline unsigned vequal_lanes(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+inline unsigned vgreater_lanes(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
 inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec vpow2(vec n) {  // 2^n for whole n in [-126, 127]: n + 127 as the exponent field
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));

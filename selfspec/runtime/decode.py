@@ -10,6 +10,10 @@
 The cache rows written for rejected drafts lie beyond the committed length and are
 overwritten by the next pass, so the cache always holds the full model's keys and values
 for exactly the committed tokens.
+
+In greedy decoding on a kernel runner a draft may be a tree (several guesses at a position):
+each row sees only its ancestors, the kept path is the longest one the target's argmax
+follows from the root, and its rows' keys and values move into place before the commit.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from selfspec.runtime.sampling import (
     accept_certain,
     accept_greedy,
     accept_sampled,
+    argmax_rows,
     sample,
 )
 
@@ -70,6 +75,7 @@ class DecodeStats:
     final_threshold: float | None = None
     stop_reason: str = ""
     sources: dict = field(default_factory=dict)  # kind of draft -> [rounds, drafted, accepted]
+    tree_rounds: int = 0  # rounds whose draft branched (several guesses at a position)
     # rows in a verify pass -> each such pass's seconds (to_dict gives their medians instead)
     verify_seconds: dict = field(default_factory=dict)
 
@@ -215,8 +221,23 @@ def prefill(
 def verify(runner: ModelRunner, committed: list[int], draft: Draft) -> torch.Tensor:
     """One full pass over the pending token and the draft: logits [1 + k, vocab]."""
     ids = torch.tensor([committed[-1]] + draft.tokens)
-    logits, _ = runner.forward(ids, len(committed) - 1, resume=draft.resume)
+    logits, _ = runner.forward(ids, len(committed) - 1, resume=draft.resume, tree=draft.parents)
     return logits
+
+
+def accept_tree(draft: Draft, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance of a tree draft: (the kept tokens' indices in the draft, root to leaf,
+    the target's token after them). From the pending token (row 0), keep the child whose token
+    is the target's argmax at its parent's row, while there is one (siblings are distinct)."""
+    best = argmax_rows(target_logits)
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+        children.setdefault(parent, {})[token] = i
+    path, node = [], -1
+    while (child := children.get(node, {}).get(best[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path, best[node + 1]
 
 
 def accept(
@@ -344,10 +365,20 @@ def _round(
     draft = Draft()
     if drafter is not None and room > 1:
         limit = min(config.max_draft_tokens, room - 1)
-        draft = drafter.propose(DraftRequest(gen.committed, limit, config.sampling, generator))
+        trees = limit if config.sampling.greedy and runner.trees else 0
+        request = DraftRequest(gen.committed, limit, config.sampling, generator, trees)
+        draft = drafter.propose(request)
     t_verify = time.perf_counter()
     logits = verify(runner, gen.committed, draft)
-    m, next_token = accept(draft, logits, config.sampling, generator)
+    if draft.parents is not None:
+        path, next_token = accept_tree(draft, logits)
+        runner.keep_path(len(gen.committed) - 1, [0] + [i + 1 for i in path])
+        kept = [draft.tokens[i] for i in path]
+        gen.stats.tree_rounds += 1
+    else:
+        m, next_token = accept(draft, logits, config.sampling, generator)
+        kept = draft.tokens[:m]
+    m = len(kept)
     verify_seconds = time.perf_counter() - t_verify
     k = len(draft.tokens)
     gen.stats.record_round(k, m, draft.source, verify_seconds)
@@ -356,7 +387,7 @@ def _round(
         drafter.observe(RoundOutcome(k, m, t_verify - t_draft, verify_seconds, draft.source))
         if drafter.guard.pauses > pauses:
             _note_fallback(gen.stats, len(gen.generated) + m + 1)
-    gen.commit(draft.tokens[:m] + [next_token])
+    gen.commit(kept + [next_token])
 
 
 def _note_fallback(stats: DecodeStats, at_token: int) -> None:

@@ -138,6 +138,13 @@ class ModelRunner:
         return head / (head + self.num_layers * layer)
 
     @property
+    def trees(self) -> bool:
+        """Whether ``forward`` verifies tree drafts here with each row's one-token bits: the
+        kernel's layer stack, whose attention adds a hidden key's exact zero (a tree row sees
+        what a one-token pass at its depth would see, in the same order)."""
+        return self.layer_stack is not None and self.adapter.fused is not None
+
+    @property
     def can_batch(self) -> bool:
         """Whether ``forward_many`` runs here: fused kernel layers and full attention only."""
         return self.adapter.fused is not None and self.windows == {None}
@@ -231,6 +238,7 @@ class ModelRunner:
         capture_at: int | None = None,
         last_logits_only: bool = False,
         vocab: int | DraftVocab | None = None,
+        tree: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Score ``input_ids`` ([n] tokens at positions start..start+n-1).
 
@@ -239,11 +247,16 @@ class ModelRunner:
         ``DraftVocab``'s ids (its base ids, then its extra ids).
         With ``resume``, its rows are the first tokens' hidden states entering ``resume.sublayer``;
         only the remaining tokens run the sublayers before it.
+        With ``tree`` (where ``trees``), token i + 1 follows token ``tree[i] + 1`` (0: the first),
+        at the position after its parent's, and sees only the cache before ``start`` and its
+        ancestors; ``keep_path`` then moves the kept rows' keys and values into place.
         """
         a = self.adapter
         n = input_ids.shape[-1]
         ids = input_ids.view(1, n).to(self.device)
-        if resume is not None and resume.hidden.shape[1] < n:
+        if tree is not None:
+            hidden, first = self._tree_pass(ids, start, tree), self.num_sublayers
+        elif resume is not None and resume.hidden.shape[1] < n:
             # Catch the rows the resume does not cover up to the resume point (one token, usually).
             k = resume.hidden.shape[1]
             tail, _ = self._run(
@@ -255,9 +268,11 @@ class ModelRunner:
             hidden, first = resume.hidden, resume.sublayer
         else:
             hidden, first = a.embed(ids), 0
-        hidden, captured = self._run(
-            ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at
-        )
+        captured = None
+        if tree is None:
+            hidden, captured = self._run(
+                ids, start, first, self.num_sublayers, skip_attention, skip_mlp, hidden, capture_at
+            )
         if last_logits_only:  # prefill: the head over every prompt token would be wasted work
             hidden = hidden[:, -1:]
         self.last_hidden = hidden[0]  # what draft heads read (drafters.heads)
@@ -273,6 +288,44 @@ class ModelRunner:
             return
         first = ids.shape[0] - logits.shape[0]
         self.last_scored = ScoredRows(start + first, ids[first:].tolist(), logits)
+
+    def _tree_pass(self, ids: torch.Tensor, start: int, parents: list[int]) -> torch.Tensor:
+        """Every sublayer over a tree's rows (``forward``'s ``tree``): the final hidden states."""
+        if not self.trees:
+            raise ValueError("tree drafts need the kernel's layer stack (ModelRunner.trees)")
+        n = ids.shape[1]
+        depth = [0] * n
+        seen = torch.eye(n, dtype=torch.bool)  # row r sees row c: c is r or one of its ancestors
+        for i, parent in enumerate(parents, start=1):
+            depth[i] = depth[parent + 1] + 1
+            seen[i] |= seen[parent + 1]
+        mask = torch.ones(n, start + n, dtype=torch.bool)
+        mask[:, start:] = seen
+        hidden = self.adapter.embed(ids)
+        positions = (start + torch.tensor(depth, device=self.device))[None]
+        rope = self.adapter.position_embeddings(hidden, positions)
+        self.cache.write_pos = start
+        full = frozenset()
+        hidden, _ = self._stacked(hidden, rope, mask, 0, self.num_sublayers, full, full, None)
+        return hidden
+
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """After a tree pass from ``start``: the kept rows (0, then each kept token's row, in
+        order) become positions start, start + 1, ...: their keys and values move into place,
+        and the last pass's final states and scored rows are theirs, as after a chain."""
+        cache = self.cache
+        for i, row in enumerate(rows):
+            if row != i:  # rows only grow along a path: row >= i, so nothing read is overwritten
+                cache.keys[:, :, :, start + i] = cache.keys[:, :, :, start + row]
+                cache.values[:, :, :, start + i] = cache.values[:, :, :, start + row]
+        index = torch.tensor(rows)
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[index]
+        scored = self.last_scored
+        if scored is not None and scored.start == start:
+            self.last_scored = ScoredRows(
+                start, [scored.ids[r] for r in rows], scored.logits[index]
+            )
 
     def _run(self, ids, start, first, stop, skip_attention, skip_mlp, hidden, capture_at):
         """Run sublayers [first, stop) over ``hidden`` (embedding ``ids`` if None)."""

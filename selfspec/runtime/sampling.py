@@ -100,6 +100,21 @@ def top_probability_rows(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     return ids.tolist(), probs.tolist()
 
 
+def top_k_probability_rows(
+    logits: torch.Tensor, k: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each row's ``k`` most likely tokens (``argmax_rows``' first, then by logit, ties to the
+    lower id) and their softmax probabilities: through the kernel where loaded, else torch."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    kernel = loaded_kernel()
+    if kernel is not None and rows.device.type == "cpu" and rows.dtype == torch.float32:
+        ids, probs = kernel.top_k_probability_rows(rows, k)
+        return ids.tolist(), probs.tolist()
+    probs = torch.softmax(rows.float(), dim=-1)
+    top, ids = probs.topk(k, dim=-1)  # ties: torch's order, which may differ from the kernel's
+    return ids.tolist(), top.tolist()
+
+
 _SAMPLE_BLOCK = 1024
 
 
