@@ -141,9 +141,13 @@ class StaticRunner(ModelRunner):
         capture_at=None,
         last_logits_only=False,
         vocab=None,
+        tree=None,
     ):
         """As ``ModelRunner.forward``. ``last_logits_only`` (prefill) runs one eager pass over every
-        token; anything else runs in passes of ``PASS_ROWS`` rows."""
+        token; anything else runs in passes of ``PASS_ROWS`` rows. Chains only (``trees`` is
+        False here): a ``tree`` is refused."""
+        if tree is not None:
+            raise ValueError("tree drafts need the kernel's layer stack (ModelRunner.trees)")
         ids = input_ids.reshape(-1).to(self.device)
         n = ids.shape[0]
         if last_logits_only:
