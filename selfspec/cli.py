@@ -165,7 +165,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "--learn",
         action="store_true",
         help="record the prompt's and answer's tokens (bounded, on this machine) for `selfspec "
-        "train-heads --from-history`, so the model's draft heads learn from its use",
+        "train-heads --from-history`, so the model's draft heads learn from its use, and keep "
+        "its recycled drafts' table between runs",
     )
 
 
@@ -228,6 +229,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_at_least("--max-new-tokens", args.max_new_tokens, 1)
     engine = load_engine(args, _generate_model(args))
     drafter, _ = _drafter_and_plan(engine, args)
+    learned_table = engine.learned_table() if args.learn else None
+    if learned_table is not None:
+        learned_table.resume(drafter)
     method = "autoregressive" if drafter is None else drafter.name
     config = engine.decode_config(
         drafter,
@@ -250,6 +254,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     on_text = None if args.json else write
     result = engine.generate(prompt_ids, drafter, config=config, on_text=on_text)
     learned = _learn(engine, prompt_ids, result.token_ids) if args.learn else None
+    if learned_table is not None:
+        learned_table.save(drafter)
     if args.json:
         print(
             json.dumps(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from selfspec.drafters import AdaptiveDrafter, Drafter, ModelDrafter, SelfSkipDrafter
 from selfspec.drafters.heads import DraftHeads, HeadDrafter
@@ -26,6 +27,9 @@ from selfspec.runtime.plan import DraftPolicy, SkipPlan, build_plan, check_plan_
 from selfspec.runtime.runner import ModelRunner
 from selfspec.runtime.sampling import Sampling
 from selfspec.speed.modes import GRAPH_MODES, numerics_note, relaid_types
+
+if TYPE_CHECKING:
+    from selfspec.training.history import LearnedTable
 
 
 def make_runner(loaded: LoadedModel) -> ModelRunner:
@@ -165,6 +169,13 @@ class Engine:
         )
         return_freed_memory()  # what building the drafters freed
         return drafter
+
+    def learned_table(self) -> LearnedTable:
+        """Where ``--learn`` keeps this model's table of recycled drafts between runs:
+        ``resume(drafter)`` before generating, ``save(drafter)`` after."""
+        from selfspec.training.history import LearnedTable
+
+        return LearnedTable.for_model(self.loaded.key, self.loaded.model.config.vocab_size)
 
     def _head_drafter(self, heads: bool | str | DraftHeads) -> HeadDrafter | None:
         found = self.resolve_heads(heads)

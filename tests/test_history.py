@@ -6,6 +6,7 @@ count what they learned from."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -13,9 +14,12 @@ import pytest
 from live_server import ENV, MODEL, openai_client, serving
 
 from selfspec.drafters.heads import DraftHeads
+from selfspec.drafters.recycled import RecycledTable
 from selfspec.errors import SelfSpecError
 from selfspec.training.heads import train_heads
 from selfspec.training.history import PROMPT_TAIL, History
+
+VOCAB = 49152  # smollm2-135m's token ids
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -108,8 +112,11 @@ def test_generate_learn_records_the_tokens_and_changes_nothing(tmp_path):
     assert learned["history_tokens"] == len(plain["token_ids"])
     (entry,) = History(tmp_path / "smollm2-135m.jsonl").entries()
     assert entry[1] == plain["token_ids"]
-    again = run("--learn")
+    table = tmp_path / "smollm2-135m.recycled.safetensors"
+    assert len(RecycledTable.load(table, VOCAB)) > 0  # the recycled drafts' table, kept
+    again = run("--learn")  # drafting from the table the first run kept
     assert again["history_tokens"] == 2 * len(plain["token_ids"])
+    assert again["token_ids"] == plain["token_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +148,21 @@ def test_serve_learn_records_every_finished_request(learning_server):
     entries = history.entries()
     assert len(entries) == 4 and sum(len(a) for _, a in entries) == tokens
     assert "recording use in" in server["log"].read_text()
+
+
+@pytest.mark.slow  # a live server
+def test_serve_learn_keeps_the_recycled_table_when_it_stops(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kept")
+    for server in serving(tmp_path_factory, "--learn", env=learning_env(folder)):
+        reply = openai_client(server).completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0
+        )
+        assert reply.usage.completion_tokens > 0
+        assert not (folder / "smollm2-135m.recycled.safetensors").exists()  # idle writes wait
+        server["process"].send_signal(signal.SIGTERM)
+        assert server["process"].wait(timeout=60) == 0, server["log"].read_text()
+    table = RecycledTable.load(folder / "smollm2-135m.recycled.safetensors", VOCAB)
+    assert len(table) > 0  # written as the server stopped
 
 
 @pytest.mark.slow  # a live server

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "head drafts)",
     )
     parser.add_argument(
+        "--learned",
+        action="store_true",
+        help="recycled drafts start from the table `--learn` kept for the model, as they do in "
+        "`generate --learn` and `serve --learn` (read only: the bench never writes it)",
+    )
+    parser.add_argument(
         "--prompts",
         default="spec-bench",
         help="a .jsonl file, or spec-bench[:cat,...] (default spec-bench: every category)",
@@ -99,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     plan = resolve_plan(engine, args)
     heads = resolve_heads(engine, args)
+    if args.learned and not engine.learned_table().path.is_file():
+        raise SelfSpecError(
+            f"--learned: no recycled drafts' table is kept for {engine.loaded.name} yet "
+            f"(looked for {engine.learned_table().path}): use the model with --learn first"
+        )
     draft = args.draft_model or DEFAULT_DRAFT_MODEL.get(engine.loaded.name)
     notes = []
     if draft is None and (methods is None or any(METHODS[m].needs == "draft" for m in methods)):
@@ -111,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         methods,
         plan=plan,
         heads=heads,
+        learned=args.learned,
         draft=draft,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
@@ -121,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_spec": args.prompts,
             "limit": args.limit,
             "heads": args.heads or "the model's own, if any",
+            "learned_table": str(engine.learned_table().path) if args.learned else None,
         },
         baseline=not args.no_hf_baseline,
         sampling=sampling,

@@ -67,6 +67,7 @@ class BenchContext:
     hf_draft: LoadedModel | None = None
     threads: int | None = None  # llama_cpp's threads (None: torch's, which selfspec runs with)
     heads: bool | str | DraftHeads = True  # draft heads: the model's (True), a file's, or none
+    learned: bool = False  # recycled drafts start from the table --learn kept for the model
     sampling: Sampling | None = None  # None: greedy
     seed: int = 0  # every sampled generation's seed, so each method meets the same draws first
     state: dict = field(default_factory=dict)  # per-method objects made by setup (drafters, llama)
@@ -189,11 +190,18 @@ def _drafter_run(name: str) -> Callable[[BenchContext, list[int]], MethodRun]:
     return run
 
 
+def _self_drafter(ctx: BenchContext, plan: SkipPlan | None = None, **options) -> Drafter:
+    drafter = ctx.engine.self_drafter(plan, **options)
+    if ctx.learned:  # read only: the bench never writes the table back
+        ctx.engine.learned_table().resume(drafter)
+    return drafter
+
+
 def _setup_self_speculative(ctx: BenchContext) -> None:
     # selfspec's default drafter: context drafts, the model's draft heads and the plan's layer-skip
     # drafts where they pay
-    ctx.state["self_speculative"] = ctx.engine.self_drafter(
-        ctx.plan, layer_skip=ctx.plan is not None, heads=ctx.heads
+    ctx.state["self_speculative"] = _self_drafter(
+        ctx, ctx.plan, layer_skip=ctx.plan is not None, heads=ctx.heads
     )
 
 
@@ -203,17 +211,17 @@ def _setup_ngram(ctx: BenchContext) -> None:
 
 def _setup_recycled(ctx: BenchContext) -> None:
     # context drafts and recycled drafts: what any model drafts with, untrained and planless
-    ctx.state["recycled"] = ctx.engine.self_drafter(layer_skip=False, heads=False)
+    ctx.state["recycled"] = _self_drafter(ctx, layer_skip=False, heads=False)
 
 
 def _setup_recycled_trees(ctx: BenchContext) -> None:
     # the same, its recycled drafts branching where the loop verifies trees (what trees add)
-    ctx.state["recycled_trees"] = ctx.engine.self_drafter(layer_skip=False, heads=False, trees=True)
+    ctx.state["recycled_trees"] = _self_drafter(ctx, layer_skip=False, heads=False, trees=True)
 
 
 def _setup_heads(ctx: BenchContext) -> None:
     # context drafts and the model's draft heads, no layer-skip drafts
-    ctx.state["heads"] = ctx.engine.self_drafter(layer_skip=False, heads=ctx.heads)
+    ctx.state["heads"] = _self_drafter(ctx, layer_skip=False, heads=ctx.heads)
 
 
 def _setup_layer_skip(ctx: BenchContext) -> None:

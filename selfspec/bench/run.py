@@ -375,6 +375,7 @@ def run_bench(
     *,
     plan: SkipPlan | None = None,
     heads: bool | str | DraftHeads = True,
+    learned: bool = False,
     draft=None,
     max_new_tokens: int = 64,
     repeats: int = 1,
@@ -397,6 +398,7 @@ def run_bench(
 
     ``plan``: the skip plan for self_speculative (None: the engine's default plan).
     ``heads``: draft heads for self_speculative and heads (True: the model's; a file; False: none).
+    ``learned``: recycled drafts start from the table ``--learn`` kept for the model (read only).
     ``draft``: the draft model for dual_model and hf_assisted: a bundled name or path (loaded
     only after the target-only methods' memory is measured), a LoadedModel or an Engine.
     ``custom_methods``: extra methods, name -> Method or callable(ctx, prompt_ids) -> MethodRun;
@@ -430,7 +432,13 @@ def run_bench(
     setup.encoded = _encode(engine, prompts, chat, max_new_tokens)
     threads = torch.get_num_threads()
     ctx = BenchContext(
-        engine, max_new_tokens, engine.eos_ids(), plan=plan, threads=threads, heads=heads
+        engine,
+        max_new_tokens,
+        engine.eos_ids(),
+        plan=plan,
+        threads=threads,
+        heads=heads,
+        learned=learned,
     )
     if sampled:
         ctx.sampling, ctx.seed = sampling, seed

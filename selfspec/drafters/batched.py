@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from selfspec.drafters.base import Drafter
     from selfspec.drafters.heads import HeadDrafter
     from selfspec.drafters.ngram import ContextIndex
+    from selfspec.drafters.recycled import RecycledDrafts
 
 MAX_ROWS = 32  # rows of one batch pass, pending tokens and drafts together
 _MAX_TOKENS = 8  # drafted tokens per sequence and pass
@@ -53,14 +54,17 @@ class BatchDrafter:
         planned: bool = True,
         heads: HeadDrafter | None = None,
         calibration: Calibration | None = None,
+        recycled: RecycledDrafts | None = None,
     ):
         """``costs``, ``ngram``, ``calibration``: what a solo drafter measured, shared and kept up
         to date. ``heads``: draft heads for sequences whose text offers no match (None: none).
+        ``recycled``: the solo drafter's recycled drafts, which learn from the batch's passes
+        (they draft only alone: a batch's rows are dearer).
         ``planned=False``: draft every match and guess in full, whatever it costs (tests)."""
         self.costs = costs if costs is not None else PassCosts()
         self.ngram = ngram if ngram is not None else {}
         self.max_tokens, self.planned = max_tokens, planned
-        self.heads = heads
+        self.heads, self.recycled = heads, recycled
         self.calibration = calibration if calibration is not None else Calibration()
         self.fit = RowCostFit()  # this batch's own passes
         self.sources: list[str] = []  # "ngram" or "heads": where each sequence's draft came from
@@ -79,6 +83,7 @@ class BatchDrafter:
                 min(drafter.max_tokens, _MAX_TOKENS),
                 heads=drafter.heads,
                 calibration=drafter.head_calibration,
+                recycled=drafter.recycled,
             )
         return cls()
 

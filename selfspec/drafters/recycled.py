@@ -13,6 +13,9 @@ nodes most likely to be kept first, and where the decode loop verifies trees (gr
 runner) one pass checks every branch, each row seeing only its own ancestors. On a CPU every
 verify row has a price, so the drafter takes as many nodes as pay (``adaptive``).
 
+The table can be kept between processes (``save``, ``load``): with ``--learn`` a model's table
+is kept beside its record of use, so recycled drafts start from what earlier use taught them.
+
 After Token Recycling (Luo et al., 2024: "Turning Trash into Treasure").
 """
 
@@ -22,8 +25,13 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from selfspec.errors import SelfSpecError
+from selfspec.fileio import atomic_write_bytes
 from selfspec.runtime.sampling import top_k_probability_rows
 
 if TYPE_CHECKING:
@@ -32,6 +40,8 @@ if TYPE_CHECKING:
 MAX_PAIRS = 1 << 18  # (token before, token) keys kept; the least recently written go first
 MIN_CHANCE = 0.05  # a draft stops before a token whose chance (product of probabilities) is lower
 WIDTH = 3  # next tokens a table for trees keeps per key: the branches a tree may take at a node
+
+FILE_FORMAT = "selfspec-recycled-table/1"
 
 Entry = tuple[tuple[int, ...], tuple[float, ...]]  # next tokens, most likely first; probabilities
 
@@ -47,6 +57,52 @@ class RecycledTable:
 
     def __len__(self) -> int:
         return len(self.by_token)
+
+    def save(self, path: Path, vocab_size: int) -> None:
+        """Write the table to ``path`` (safetensors, atomically): what ``load`` reads back."""
+        from safetensors.torch import save
+
+        pairs = list(self.by_pair)  # least recently written first, as ``load`` restores them
+        tensors = {
+            "tokens": _ids_tensor(list(self.by_token)),
+            "pairs": _ids_tensor([t for pair in pairs for t in pair]).view(-1, 2),
+        }
+        for name, entries in (("token", self.by_token.values()), ("pair", self.by_pair.values())):
+            tensors[f"{name}_next"], tensors[f"{name}_probability"] = _pack(list(entries))
+        metadata = {"format": FILE_FORMAT, "vocab_size": str(vocab_size)}
+        atomic_write_bytes(path, save(tensors, metadata))
+
+    @classmethod
+    def load(
+        cls, path: Path, vocab_size: int, width: int = 1, max_pairs: int = MAX_PAIRS
+    ) -> RecycledTable:
+        """The table ``save`` wrote, for a model of ``vocab_size`` token ids; a SelfSpecError
+        names what is wrong with a file that is not one, or one of another vocabulary."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                metadata = f.metadata() or {}
+                if metadata.get("format") != FILE_FORMAT:
+                    raise SelfSpecError(f"{path} is not a table of recycled drafts")
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise SelfSpecError(f"cannot read {path}: {exc}") from None
+        if metadata.get("vocab_size") != str(vocab_size):
+            raise SelfSpecError(
+                f"{path} was learnt by a model of {metadata.get('vocab_size')} token ids, "
+                f"not {vocab_size}"
+            )
+        if not _consistent(tensors, vocab_size):
+            raise SelfSpecError(f"{path} is damaged: its tensors do not fit together")
+        table = cls(max_pairs, width)
+        tokens, pairs = tensors["tokens"], tensors["pairs"]
+        token_entries = _unpack(tensors["token_next"], tensors["token_probability"])
+        table.by_token = dict(zip(tokens.tolist(), token_entries))
+        pair_entries = _unpack(tensors["pair_next"], tensors["pair_probability"])
+        kept = list(zip(map(tuple, pairs.tolist()), pair_entries))[-max_pairs:]
+        table.by_pair = OrderedDict(kept)
+        return table
 
     def record(
         self,
@@ -150,21 +206,74 @@ class RecycledTable:
         return valid
 
 
+def _ids_tensor(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def _consistent(tensors: dict[str, torch.Tensor], vocab_size: int) -> bool:
+    """Whether a saved table's tensors are all there, agree in length and hold token ids."""
+    names = ("tokens", "pairs", "token_next", "token_probability", "pair_next", "pair_probability")
+    if any(name not in tensors for name in names):
+        return False
+    for name, keys in (("token", tensors["tokens"]), ("pair", tensors["pairs"])):
+        nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
+        if nexts.dim() != 2 or nexts.shape != chances.shape or len(nexts) != len(keys):
+            return False
+    if tensors["pairs"].dim() != 2 or tensors["pairs"].shape[-1] != 2:
+        return False
+    for name in ("tokens", "pairs", "token_next", "pair_next"):
+        ids = tensors[name]
+        low = 0 if name in ("tokens", "pairs") else -1
+        if ids.dtype != torch.int32:
+            return False
+        if ids.numel() and (ids.min() < low or ids.max() >= vocab_size):
+            return False
+    return True
+
+
+def _pack(entries: list[Entry]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries as [n, width] next tokens (-1 past an entry's own) and their probabilities."""
+    width = max((len(tokens) for tokens, _ in entries), default=1)
+    nexts = [list(tokens) + [-1] * (width - len(tokens)) for tokens, _ in entries]
+    chances = [list(p) + [0.0] * (width - len(p)) for _, p in entries]
+    return (
+        torch.tensor(nexts, dtype=torch.int32).view(-1, width),
+        torch.tensor(chances, dtype=torch.float32).view(-1, width),
+    )
+
+
+def _unpack(nexts, chances) -> list[Entry]:
+    entries = []
+    for tokens, probabilities in zip(nexts.tolist(), chances.tolist()):
+        kept = [i for i, t in enumerate(tokens) if t >= 0]
+        entries.append((tuple(tokens[i] for i in kept), tuple(probabilities[i] for i in kept)))
+    return entries
+
+
 class RecycledDrafts:
     """A ``RecycledTable`` fed by ``runner``'s passes: ``absorb`` the last pass, then ``chain``."""
 
     def __init__(self, runner: ModelRunner, table: RecycledTable | None = None, width: int = 1):
         """``width``: next tokens a new table keeps per key (more than one only for trees)."""
         self.runner = runner
-        self.table = table or RecycledTable(width=width)
+        self.table = table if table is not None else RecycledTable(width=width)
         self.absorbed: ScoredRows | None = None  # the last pass learnt from
         self.learnt_rows = 0
+
+    def adopt(self, table: RecycledTable) -> None:
+        """Draft from ``table`` (one kept from earlier use) from now on, learning into it."""
+        table.width = self.table.width
+        self.table = table
 
     def absorb(self, committed: list[int]) -> None:
         rows = self.runner.last_scored
         if rows is None or rows is self.absorbed:
             return
         self.absorbed = rows
+        self.learnt_rows += self.table.absorb(committed, rows)
+
+    def learn(self, committed: list[int], rows: ScoredRows) -> None:
+        """Learn from rows of a pass another loop ran (one sequence's rows of a batch pass)."""
         self.learnt_rows += self.table.absorb(committed, rows)
 
     def chain(self, committed: list[int], limit: int) -> tuple[list[int], list[float]]:

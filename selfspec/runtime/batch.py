@@ -36,6 +36,7 @@ from selfspec.runtime.decode import (
     check_request,
     make_generator,
 )
+from selfspec.runtime.runner import ScoredRows
 
 if TYPE_CHECKING:
     import torch
@@ -154,12 +155,17 @@ def step(
     seconds = time.perf_counter() - started
     per_sequence, states = rows.split(logits), rows.split(runner.last_rows_hidden)
     sources = drafter.sources if drafter is not None else ["ngram"] * len(decoding)
+    learner = drafter.recycled if drafter is not None else None
     kept = []
     for sequence, draft, scores, source in zip(decoding, drafts, per_sequence, sources):
         m, token = _accept(sequence, draft, scores)
         kept.append(m)
         sequence.gen.stats.record_round(len(draft), m, source)
+        start = len(sequence.gen.committed) - 1  # where the pending token was read
         sequence.gen.commit(draft[:m] + [token])
+        if learner is not None:
+            read = [sequence.gen.committed[start], *draft]
+            learner.learn(sequence.gen.committed, ScoredRows(start, read, scores))
     for (sequence, n), scores in zip(reading, per_sequence[len(decoding) :]):
         _read_chunk(sequence, n, scores)
     # the row that made each sequence's pending token: the row after its kept drafts, or its

@@ -103,8 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--learn",
         action="store_true",
         help="record each finished request's tokens (bounded, on this machine) for `selfspec "
-        "train-heads --from-history`, so the model's draft heads learn from its use; off by "
-        "default, since the record holds what clients sent",
+        "train-heads --from-history`, so the model's draft heads learn from its use, and keep "
+        "its recycled drafts' table between runs; off by default, since the record holds what "
+        "clients sent",
     )
     defaults = IdleTraining()
     parser.add_argument(
@@ -169,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
     plan = resolve_plan(engine, args)
     drafter = engine.self_drafter(plan, layer_skip=plan is not None)
     history = History.for_model(engine.loaded.key) if args.learn else None
+    learned_table = engine.learned_table() if args.learn else None
+    if learned_table is not None:
+        learned_table.resume(drafter)
     trainer = idle_trainer(args, engine, history)
     scheduler = Scheduler(
         engine,
@@ -178,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         args.prefix_cache_mb << 20,
         history,
         trainer,
+        learned_table,
     )
     limits = Limits(args.max_tokens, args.max_tokens_cap, args.max_body_kb << 10, args.api_key)
     service = Service(engine, scheduler, args.served_name or args.model, limits)

@@ -4,7 +4,7 @@ together in one batch when several are active (``Scheduler``).
 Requests wait in a queue of ``queue_size``; a full queue refuses new ones (the server answers
 503) instead of growing without limit. A request's text goes back through ``Job.on_event``
 (called on the worker thread) as it is accepted; a request whose client went away leaves the
-batch at the next pass. Counters for /metrics live here too.
+batch at the next pass. It keeps the counters for /metrics (``selfspec.server.metrics``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from selfspec.errors import SelfSpecError
+from selfspec.server.metrics import Metrics
 from selfspec.server.protocol import APIError
 
 if TYPE_CHECKING:
@@ -27,7 +28,10 @@ if TYPE_CHECKING:
     from selfspec.runtime.batch import Sequence
     from selfspec.runtime.decode import DecodeConfig
     from selfspec.server.learning import IdleTrainer
-    from selfspec.training.history import History
+    from selfspec.training.history import History, LearnedTable
+
+
+TABLE_SAVE_SECONDS = 60.0
 
 
 @dataclass
@@ -71,105 +75,6 @@ class StopTrimmer:
 
 
 @dataclass
-class Metrics:
-    """Counters and gauges, shown in Prometheus' text format at /metrics."""
-
-    requests: int = 0
-    rejected: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    prompt_tokens: int = 0
-    prompt_tokens_cached: int = 0
-    completion_tokens: int = 0
-    target_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    seconds: float = 0.0
-    busy: float = 0.0  # wall time the engine spent on requests (overlapping ones count once)
-    prefill_seconds: float = 0.0  # of finished requests
-    batch_steps: int = 0
-    batch_rows: int = 0
-    batch_requests: int = 0
-    batch_seconds: float = 0.0
-    active: int = 0
-    queued: int = 0
-    prefix_cache_bytes: int = 0
-    prefix_cache_evictions: int = 0
-
-    def prometheus(self, extra: list[tuple] = ()) -> str:
-        """The counters and gauges, and ``extra`` rows (name, kind, help, value) after them."""
-        speed = self.completion_tokens / self.busy if self.busy else 0.0
-        acceptance = self.accepted / self.drafted if self.drafted else 0.0
-        mal = self.completion_tokens / self.target_passes if self.target_passes else 0.0
-        rows = [
-            ("requests_total", "counter", "requests finished", self.requests),
-            ("requests_rejected_total", "counter", "refused with 503 (queue full)", self.rejected),
-            ("requests_cancelled_total", "counter", "clients gone before the end", self.cancelled),
-            ("requests_failed_total", "counter", "ended by an error", self.failed),
-            (
-                "prompt_tokens_total",
-                "counter",
-                "prompt tokens of finished requests (those the prefix cache gave included)",
-                self.prompt_tokens,
-            ),
-            (
-                "prompt_tokens_cached_total",
-                "counter",
-                "prompt tokens whose keys and values the prefix cache gave",
-                self.prompt_tokens_cached,
-            ),
-            ("completion_tokens_total", "counter", "tokens generated", self.completion_tokens),
-            ("target_passes_total", "counter", "full-model passes", self.target_passes),
-            ("drafted_tokens_total", "counter", "tokens drafted", self.drafted),
-            ("accepted_tokens_total", "counter", "drafted tokens accepted", self.accepted),
-            ("generation_seconds_total", "counter", "request times added up", self.seconds),
-            ("engine_busy_seconds_total", "counter", "wall time spent generating", self.busy),
-            (
-                "prefill_seconds_total",
-                "counter",
-                "prompt reading in passes of its own (finished requests)",
-                self.prefill_seconds,
-            ),
-            (
-                "batch_steps_total",
-                "counter",
-                "passes of the batch (every request's next token and its drafts)",
-                self.batch_steps,
-            ),
-            ("batch_rows_total", "counter", "rows in those passes", self.batch_rows),
-            ("batch_requests_total", "counter", "requests in those passes", self.batch_requests),
-            ("batch_seconds_total", "counter", "wall time of those passes", self.batch_seconds),
-            ("tokens_per_second", "gauge", "completion tokens / engine busy seconds", speed),
-            ("acceptance_rate", "gauge", "accepted / drafted", acceptance),
-            ("mean_accepted_length", "gauge", "tokens per full-model pass", mal),
-            ("requests_running", "gauge", "requests being generated", self.active),
-            ("queue_depth", "gauge", "requests waiting", self.queued),
-            (
-                "prefix_cache_bytes",
-                "gauge",
-                "keys and values the prefix cache holds (whole blocks)",
-                self.prefix_cache_bytes,
-            ),
-            (
-                "prefix_cache_evictions_total",
-                "counter",
-                "entries dropped to make room (the cache has been full)",
-                self.prefix_cache_evictions,
-            ),
-        ]
-        lines = []
-        for name, kind, help_text, value in rows + list(extra):
-            lines += [
-                f"# HELP selfspec_{name} {help_text}",
-                f"# TYPE selfspec_{name} {kind}",
-                f"selfspec_{name} {value:g}"
-                if isinstance(value, float)
-                else f"selfspec_{name} {value}",
-            ]
-        return "\n".join(lines) + "\n"
-
-
-@dataclass
 class _Running:
     """A job being decoded in the batch."""
 
@@ -210,6 +115,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
         history: History | None = None,
         trainer: IdleTrainer | None = None,
+        learned_table: LearnedTable | None = None,
     ):
         from selfspec.drafters.batched import BatchDrafter
         from selfspec.runtime.prefixes import PrefixStore
@@ -217,6 +123,7 @@ class Scheduler:
         self.engine, self.drafter = engine, drafter
         self.history = history  # finished requests are recorded there for the heads to learn
         self.trainer = trainer  # trains the heads on that record while no request runs
+        self.learned_table = learned_table  # where the recycled drafts' table is kept, if it is
         # shares the solo drafter's pass costs and context-draft acceptance
         self.batch_drafter = BatchDrafter.following(drafter) if drafter is not None else None
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -274,10 +181,13 @@ class Scheduler:
     # -- the worker thread ------------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            if self.trainer is not None and not self.batch and self.jobs.empty():
-                self.trainer.idle()
+            if not self.batch and self.jobs.empty():
+                self._keep_table()
+                if self.trainer is not None:
+                    self.trainer.idle()
             new = self._take(wait=not self.batch)
             if new is None:
+                self._keep_table(now=True)
                 return
             if self.trainer is not None:
                 self.trainer.busy()
@@ -292,6 +202,16 @@ class Scheduler:
                 self._step()
             self._count(busy=time.perf_counter() - busy_from)
             self._gauges()
+
+    def _keep_table(self, now: bool = False) -> None:
+        """Write the recycled drafts' table where ``--learn`` keeps it: while idle, at most every
+        ``TABLE_SAVE_SECONDS``, and when the server stops."""
+        try:
+            if self.learned_table is not None:
+                self.learned_table.save(self.drafter, 0.0 if now else TABLE_SAVE_SECONDS)
+        except SelfSpecError as exc:  # a full disk ends the keeping, never the server
+            print(f"[selfspec] not keeping the recycled table any more: {exc}", file=sys.stderr)
+            self.learned_table = None
 
     def _take_up_heads(self) -> None:
         """Draft with heads the idle training adopted; between generations, so a request drafts

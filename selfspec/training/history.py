@@ -10,6 +10,10 @@ kept only when asked for.
 
 The file is bounded: past ``max_tokens`` answer tokens the oldest lines are dropped (the file is
 rewritten atomically). A line cut short by a crash is skipped when read.
+
+Beside it, ``<model>.recycled.safetensors`` keeps the table of recycled drafts the model's passes
+filled (``LearnedTable``), so they start from earlier use rather than from nothing. It is
+bounded too (one entry per token id and ``recycled.MAX_PAIRS`` pairs, about 15 MB at most).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,6 +126,57 @@ class History:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class LearnedTable:
+    """A model's table of recycled drafts kept between runs (``--learn``): ``load`` it before
+    drafting, ``save`` it after; a write is atomic and only happens when the table learnt."""
+
+    def __init__(self, path: Path, vocab_size: int):
+        self.path, self.vocab_size = Path(path), vocab_size
+        self._saved_rows: int | None = None  # the drafts' learnt rows when last loaded or saved
+        self._saved_at = time.monotonic()
+
+    @classmethod
+    def for_model(cls, model_name: str, vocab_size: int) -> LearnedTable:
+        return cls(history_path(model_name).with_suffix(".recycled.safetensors"), vocab_size)
+
+    def resume(self, drafter: object) -> int:
+        """Start ``drafter``'s recycled drafts (if it has them) from the table kept; the token ids
+        it knows (0: none kept yet). A file that cannot be read is moved aside (``.unreadable``,
+        with a one-line warning) and learning starts again."""
+        from selfspec.drafters.recycled import RecycledTable
+
+        drafts = getattr(drafter, "recycled", None)
+        if drafts is None or not self.path.is_file():
+            return 0
+        try:
+            table = RecycledTable.load(self.path, self.vocab_size)
+        except SelfSpecError as exc:
+            aside = self.path.with_name(self.path.name + ".unreadable")
+            os.replace(self.path, aside)
+            print(
+                f"[selfspec] warning: {exc}; moved it to {aside.name} and starting a new table",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
+        drafts.adopt(table)
+        self._saved_rows = drafts.learnt_rows
+        return len(table)
+
+    def save(self, drafter: object, at_most_every: float = 0.0) -> bool:
+        """Write ``drafter``'s recycled table if it learnt since it was resumed or saved, and the
+        last write is ``at_most_every`` seconds old (a write of a full table takes a fraction of
+        a second); whether it wrote."""
+        drafts = getattr(drafter, "recycled", None)
+        if drafts is None or drafts.learnt_rows == self._saved_rows:
+            return False
+        if time.monotonic() - self._saved_at < at_most_every:
+            return False
+        drafts.table.save(self.path, self.vocab_size)
+        self._saved_rows, self._saved_at = drafts.learnt_rows, time.monotonic()
+        return True
 
 
 def _ids(value) -> bool:
