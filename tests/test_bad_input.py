@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ def _cli(argv: list[str], stdin: bytes | None = None) -> tuple[int, str]:
         input=stdin,
         capture_output=True,
         timeout=300,
-        env={**__import__("os").environ, "SELFSPEC_NO_PROGRESS": "1"},
+        # no record of use: rows about a missing one find none, whatever this machine learnt
+        env={**os.environ, "SELFSPEC_NO_PROGRESS": "1", "SELFSPEC_HISTORY": "/nonexistent/history"},
     )
     return done.returncode, done.stderr.decode("utf-8", "replace")
 
@@ -139,6 +141,12 @@ CLI_ROWS = [
     ),
     ("bench limit 0", ["bench", *M, "--limit", "0"], None, "--limit must be at least 1"),
     ("bench unknown method", ["bench", *M, "--methods", "warp_drive"], None, "warp_drive"),
+    (
+        "bench learned without a kept table",
+        ["bench", *M, "--learned", "--methods", "recycled"],
+        None,
+        "no recycled drafts' table is kept for smollm2-135m yet",
+    ),
     ("bench negative temperature", ["bench", *M, "--temperature", "-1"], None, "--temperature"),
     (
         "bench sampling with transformers' methods",
