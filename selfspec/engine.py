@@ -156,8 +156,8 @@ class Engine:
         predictions; none if ``recycled`` is False) and layer-skip drafts with ``plan`` (default:
         the model's plan, if it has one) where they pay, chosen round by round from measured
         costs. ``layer_skip=False``: no layer-skip drafts; ``trees=True``: recycled drafts may
-        branch where the loop verifies trees (greedy, kernel modes; measured not to pay on the
-        CPUs in docs/performance.md, hence off). Works without any plan or heads."""
+        branch where the loop verifies trees (kernel modes, greedy or sampled; measured not to
+        pay on the CPUs in docs/performance.md, hence off). Works without any plan or heads."""
         skipper = None
         if layer_skip:
             plan = plan or self.default_plan()

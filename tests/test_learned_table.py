@@ -44,6 +44,22 @@ def test_a_saved_table_loads_as_it_was_pairs_oldest_first(tmp_path):
     assert len(RecycledTable.load(tmp_path / "empty.safetensors", VOCAB)) == 0
 
 
+def rewritten(path, name, change) -> None:
+    """Rewrite one tensor of the saved table at ``path`` with ``change``, keeping the rest."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        metadata, tensors = f.metadata(), {key: f.get_tensor(key) for key in f.keys()}
+    tensors[name] = change(tensors[name])
+    save_file(tensors, str(path), metadata)
+
+
+def first_unknown(nexts):
+    nexts[0, 0] = -1  # an entry that knows no next token
+    return nexts
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -51,8 +67,19 @@ def test_a_saved_table_loads_as_it_was_pairs_oldest_first(tmp_path):
         (lambda p: p.write_bytes(p.read_bytes()[:-9]), "cannot read"),
         (lambda p: filled_table().save(p, VOCAB + 1), "token ids, not 64"),
         (lambda p: past_the_vocabulary().save(p, VOCAB), "damaged"),
+        (lambda p: rewritten(p, "tokens", lambda t: t.view(-1, 1)), "damaged"),
+        (lambda p: rewritten(p, "token_next", first_unknown), "damaged"),
+        (lambda p: rewritten(p, "pair_probability", lambda t: t * float("nan")), "damaged"),
     ],
-    ids=["garbage", "truncated", "another vocabulary", "ids past the vocabulary"],
+    ids=[
+        "garbage",
+        "truncated",
+        "another vocabulary",
+        "ids past the vocabulary",
+        "keys of two dimensions",
+        "an entry with no next token",
+        "probabilities not numbers",
+    ],
 )
 def test_a_file_that_is_not_a_table_for_this_model_is_a_one_line_error(tmp_path, damage, message):
     path = tmp_path / "t.safetensors"
@@ -69,6 +96,7 @@ def test_a_kept_table_drafts_from_the_start_and_output_stays_plain_decoding_s(ti
     kept = LearnedTable(tmp_path / "learned.safetensors", VOCAB)
     first = recycled_drafter(tiny_llama, wrong_table())
     assert kept.resume(first) == 0  # nothing kept yet
+    assert not kept.save(first)  # nothing learnt yet: nothing written
     assert tiny_llama.generate(prompt, first, max_new_tokens=40).token_ids == plain.token_ids
     assert kept.save(first) and not kept.save(first)  # written once: nothing new the second time
     second = recycled_drafter(tiny_llama)  # an empty table of its own, until resumed
@@ -87,3 +115,11 @@ def test_learn_moves_an_unreadable_table_aside_and_starts_again(tiny_llama, tmp_
     assert LearnedTable(path, VOCAB).resume(drafter) == 0
     assert not path.exists() and (tmp_path / "learned.safetensors.unreadable").exists()
     assert "moved it to learned.safetensors.unreadable" in capsys.readouterr().err
+
+
+def test_the_bench_reads_a_kept_table_and_never_moves_it(tiny_llama, tmp_path):
+    path = tmp_path / "learned.safetensors"
+    path.write_bytes(b"\x00" * 40)
+    with pytest.raises(SelfSpecError, match="cannot read"):
+        LearnedTable(path, VOCAB).resume(recycled_drafter(tiny_llama), read_only=True)
+    assert path.exists()

@@ -3,6 +3,8 @@ learns from every row of a pass (rows that read committed tokens winning), prefe
 tokens to the token alone, stays bounded; the drafts are lossless in greedy decoding and in
 sampling."""
 
+import copy
+
 import pytest
 import torch
 
@@ -278,4 +280,70 @@ def test_greedy_tree_drafts_are_identical_to_plain_decoding(tiny_packed):
     _, drafted, accepted = out.stats.sources["recycled"]
     assert trees >= 5 and drafted > accepted > 0
     sampled = engine.generate(prompt, drafter, max_new_tokens=8, sampling=Sampling(0.7), seed=0)
-    assert sampled.stats.tree_rounds == 0  # sampling verifies chains
+    assert sampled.stats.tree_rounds > 0  # sampling verifies trees too
+
+
+def broken_accept_tree(draft, target_logits, sampling, generator):
+    """Recursive rejection sampling without its renormalization, the bug a tree invites: each
+    child of the pending token is kept with probability p (not p over the mass the rejected ones
+    left), and a miss of them all draws from p without them."""
+    from selfspec.runtime.sampling import sample
+
+    p = sampling.probs(target_logits[0])
+    children = [i for i, parent in enumerate(draft.parents) if parent == -1]
+    for child in children:
+        if float(torch.rand((), generator=generator)) < float(p[draft.tokens[child]]):
+            return [child], sampling.pick(target_logits[child + 1], generator)
+    p[[draft.tokens[child] for child in children]] = 0
+    return [], sample(p, generator)
+
+
+@pytest.mark.slow  # thousands of seeded generations
+def test_sampled_tree_drafts_keep_the_target_distribution(tiny_packed, monkeypatch):
+    """Sampling, a tree's guesses are certain: the target's draw at each row keeps the child it
+    meets (recursive rejection sampling with point masses). The first two tokens' distribution
+    is the target's, and with a broken rule it is not."""
+    from test_sampling import SIGNIFICANCE, chi_square_p_value, exact_first_two_tokens
+
+    from selfspec.runtime import decode
+
+    engine = tiny_packed
+    prompt = [5, 17, 33, 2, 9, 41, 12]
+    sampling = Sampling(temperature=0.25)  # the first guess holds a good share of the mass
+    table = RecycledTable(width=3)  # after every token, the model's own three most likely
+    with torch.inference_mode():
+        for token in range(64):
+            logits = engine.loaded.model(torch.tensor([prompt + [token]])).logits[0, -1]
+            table.record(None, token, logits.topk(3).indices.tolist(), [0.5, 0.3, 0.2])
+    exact = exact_first_two_tokens(engine, prompt, sampling).flatten()
+    # the first round drafts three nodes: room for them after the first token
+    config = engine.decode_config(None, max_new_tokens=5, sampling=sampling, fallback=False)
+    config.eos_token_ids, config.max_draft_tokens = (), 3
+
+    def first_two_tokens(n=4000) -> torch.Tensor:
+        counts, judged, kept = torch.zeros(64 * 64), 0, 0  # by (first token, second token)
+        for seed in range(n):
+            recycled = RecycledDrafts(engine.runner, copy.deepcopy(table))  # as designed
+            drafter = AdaptiveDrafter(
+                engine.runner.head_rows, planned=False, min_ngram=5, max_tokens=3,
+                recycled=recycled, trees=True,
+            )  # fmt: skip
+            config.seed = seed
+            out = engine.generate(prompt, drafter, config=config)
+            counts[out.token_ids[0] * 64 + out.token_ids[1]] += 1
+            judged += out.stats.drafted_by_position[0]
+            kept += out.stats.accepted_by_position[0]
+        assert 0.1 * judged < kept < 0.9 * judged  # the first level's guesses judged both ways
+        return counts
+
+    roots, accept_tree = [], decode.accept_tree
+
+    def counted(draft, *args):  # the children of the pending token in each tree verified
+        roots.append(draft.parents.count(-1))
+        return accept_tree(draft, *args)
+
+    monkeypatch.setattr(decode, "accept_tree", counted)
+    assert chi_square_p_value(first_two_tokens(), exact) > SIGNIFICANCE
+    assert sum(children > 1 for children in roots) > 2500  # most runs branched there
+    monkeypatch.setattr(decode, "accept_tree", broken_accept_tree)
+    assert chi_square_p_value(first_two_tokens(), exact) < SIGNIFICANCE

@@ -129,14 +129,19 @@ def peaked_tiny(tiny_llama, sharpened_head):
         yield tiny_llama
 
 
-def exact_second_token_marginal(engine, prompt, sampling):
-    """P(x2) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1), computed exactly."""
+def exact_first_two_tokens(engine, prompt, sampling):
+    """P(x1, x2) = p(x1 | prompt) p(x2 | prompt, x1), computed exactly: [vocab, vocab]."""
     model = engine.loaded.model
     with torch.inference_mode():
         p1 = sampling.probs(model(torch.tensor([prompt])).logits[0, -1])
         batch = torch.tensor([prompt + [x] for x in range(p1.shape[0])])
         p2 = sampling.probs(model(batch).logits[:, -1])
-    return (p1[:, None] * p2).sum(0)
+    return p1[:, None] * p2
+
+
+def exact_second_token_marginal(engine, prompt, sampling):
+    """P(x2) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1), computed exactly."""
+    return exact_first_two_tokens(engine, prompt, sampling).sum(0)
 
 
 def second_token_counts(engine, prompt, sampling, plan, n, draft_vocab=None):

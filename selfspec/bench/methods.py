@@ -193,7 +193,7 @@ def _drafter_run(name: str) -> Callable[[BenchContext, list[int]], MethodRun]:
 def _self_drafter(ctx: BenchContext, plan: SkipPlan | None = None, **options) -> Drafter:
     drafter = ctx.engine.self_drafter(plan, **options)
     if ctx.learned:  # read only: the bench never writes the table back
-        ctx.engine.learned_table().resume(drafter)
+        ctx.engine.learned_table().resume(drafter, read_only=True)
     return drafter
 
 

@@ -31,7 +31,8 @@ class DraftRequest:
     sampling: Sampling
     generator: torch.Generator | None
     # how many tokens a tree draft may hold (0: the loop verifies chains only): trees are verified
-    # in greedy decoding on runners whose rows see only their ancestors (``ModelRunner.trees``)
+    # on runners whose rows see only their ancestors (``ModelRunner.trees``); a tree's tokens are
+    # proposed with certainty (``Draft.probs`` None), greedy or sampled
     tree_nodes: int = 0
 
 

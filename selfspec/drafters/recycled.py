@@ -219,8 +219,15 @@ def _consistent(tensors: dict[str, torch.Tensor], vocab_size: int) -> bool:
         nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
         if nexts.dim() != 2 or nexts.shape != chances.shape or len(nexts) != len(keys):
             return False
-    if tensors["pairs"].dim() != 2 or tensors["pairs"].shape[-1] != 2:
+    tokens, pairs = tensors["tokens"], tensors["pairs"]
+    if tokens.dim() != 1 or pairs.dim() != 2 or pairs.shape[-1] != 2:
         return False
+    for name in ("token", "pair"):  # every entry a first next token and probabilities in [0, 1]
+        nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
+        if nexts.numel() and (nexts[:, 0] < 0).any():
+            return False
+        if chances.dtype != torch.float32 or not ((chances >= 0) & (chances <= 1)).all():
+            return False
     for name in ("tokens", "pairs", "token_next", "pair_next"):
         ids = tensors[name]
         low = 0 if name in ("tokens", "pairs") else -1

@@ -11,9 +11,10 @@ The cache rows written for rejected drafts lie beyond the committed length and a
 overwritten by the next pass, so the cache always holds the full model's keys and values
 for exactly the committed tokens.
 
-In greedy decoding on a kernel runner a draft may be a tree (several guesses at a position):
-each row sees only its ancestors, the kept path is the longest one the target's argmax
-follows from the root, and its rows' keys and values move into place before the commit.
+On a kernel runner a draft may be a tree (several guesses at a position): each row sees only
+its ancestors, the kept path is the one the target's own picks follow from the root (its argmax,
+or when sampling its draw at each row), and its rows' keys and values move into place before the
+commit.
 """
 
 from __future__ import annotations
@@ -225,19 +226,31 @@ def verify(runner: ModelRunner, committed: list[int], draft: Draft) -> torch.Ten
     return logits
 
 
-def accept_tree(draft: Draft, target_logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy acceptance of a tree draft: (the kept tokens' indices in the draft, root to leaf,
-    the target's token after them). From the pending token (row 0), keep the child whose token
-    is the target's argmax at its parent's row, while there is one (siblings are distinct)."""
-    best = argmax_rows(target_logits)
+def accept_tree(
+    draft: Draft, target_logits: torch.Tensor, sampling: Sampling | None = None, generator=None
+) -> tuple[list[int], int]:
+    """Acceptance of a tree draft: (the kept tokens' indices in the draft, root to leaf, the
+    target's token after them). From the pending token (row 0), keep the child whose token is the
+    target's pick at its parent's row, while there is one (siblings are distinct).
+
+    Greedy, the pick is the row's argmax. Sampling, it is a draw from the row's p: a tree's tokens
+    are proposed with certainty (q = 1 on each), and for such guesses recursive rejection sampling
+    (keep the first with probability p, the next with p renormalized without the ones rejected,
+    ..., else draw from what is left) emits each token with probability p, as one draw does."""
+    greedy = sampling is None or sampling.greedy
+    best = argmax_rows(target_logits) if greedy else None
     children: dict[int, dict[int, int]] = {}
     for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
         children.setdefault(parent, {})[token] = i
     path, node = [], -1
-    while (child := children.get(node, {}).get(best[node + 1])) is not None:
+    while True:
+        row = node + 1
+        pick = best[row] if best is not None else sampling.pick(target_logits[row], generator)
+        child = children.get(node, {}).get(pick)
+        if child is None:
+            return path, pick
         path.append(child)
         node = child
-    return path, best[node + 1]
 
 
 def accept(
@@ -365,13 +378,15 @@ def _round(
     draft = Draft()
     if drafter is not None and room > 1:
         limit = min(config.max_draft_tokens, room - 1)
-        trees = limit if config.sampling.greedy and runner.trees else 0
+        trees = limit if runner.trees else 0
         request = DraftRequest(gen.committed, limit, config.sampling, generator, trees)
         draft = drafter.propose(request)
     t_verify = time.perf_counter()
     logits = verify(runner, gen.committed, draft)
     if draft.parents is not None:
-        path, next_token = accept_tree(draft, logits)
+        if draft.probs is not None:  # a tree's guesses are certain: nothing drew them from q
+            raise ValueError("tree drafts carry no draft distributions")
+        path, next_token = accept_tree(draft, logits, config.sampling, generator)
         runner.keep_path(len(gen.committed) - 1, [0] + [i + 1 for i in path])
         kept = [draft.tokens[i] for i in path]
         gen.stats.tree_rounds += 1

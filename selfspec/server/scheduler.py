@@ -204,12 +204,12 @@ class Scheduler:
             self._gauges()
 
     def _keep_table(self, now: bool = False) -> None:
-        """Write the recycled drafts' table where ``--learn`` keeps it: while idle, at most every
-        ``TABLE_SAVE_SECONDS``, and when the server stops."""
+        """Write the recycled drafts' table where ``--learn`` keeps it: when the server goes idle
+        and its last write is ``TABLE_SAVE_SECONDS`` old, and when it stops."""
         try:
             if self.learned_table is not None:
                 self.learned_table.save(self.drafter, 0.0 if now else TABLE_SAVE_SECONDS)
-        except SelfSpecError as exc:  # a full disk ends the keeping, never the server
+        except Exception as exc:  # a full disk (or any fault) ends the keeping, never the server
             print(f"[selfspec] not keeping the recycled table any more: {exc}", file=sys.stderr)
             self.learned_table = None
 

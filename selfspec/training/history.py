@@ -134,17 +134,18 @@ class LearnedTable:
 
     def __init__(self, path: Path, vocab_size: int):
         self.path, self.vocab_size = Path(path), vocab_size
-        self._saved_rows: int | None = None  # the drafts' learnt rows when last loaded or saved
+        self._saved_rows = 0  # the drafts' learnt rows when last loaded or saved
         self._saved_at = time.monotonic()
 
     @classmethod
     def for_model(cls, model_name: str, vocab_size: int) -> LearnedTable:
         return cls(history_path(model_name).with_suffix(".recycled.safetensors"), vocab_size)
 
-    def resume(self, drafter: object) -> int:
+    def resume(self, drafter: object, read_only: bool = False) -> int:
         """Start ``drafter``'s recycled drafts (if it has them) from the table kept; the token ids
         it knows (0: none kept yet). A file that cannot be read is moved aside (``.unreadable``,
-        with a one-line warning) and learning starts again."""
+        with a one-line warning) and learning starts again; ``read_only``: its error is raised
+        instead, and the file left where it is."""
         from selfspec.drafters.recycled import RecycledTable
 
         drafts = getattr(drafter, "recycled", None)
@@ -153,17 +154,22 @@ class LearnedTable:
         try:
             table = RecycledTable.load(self.path, self.vocab_size)
         except SelfSpecError as exc:
-            aside = self.path.with_name(self.path.name + ".unreadable")
-            os.replace(self.path, aside)
-            print(
-                f"[selfspec] warning: {exc}; moved it to {aside.name} and starting a new table",
-                file=sys.stderr,
-                flush=True,
-            )
+            if read_only:
+                raise
+            self._move_aside(exc)
             return 0
         drafts.adopt(table)
         self._saved_rows = drafts.learnt_rows
         return len(table)
+
+    def _move_aside(self, exc: SelfSpecError) -> None:
+        aside = self.path.with_name(self.path.name + ".unreadable")
+        try:
+            os.replace(self.path, aside)
+            moved = f"moved it to {aside.name} and starting a new table"
+        except OSError as error:
+            moved = f"starting a new table (it could not be moved aside: {error.strerror})"
+        print(f"[selfspec] warning: {exc}; {moved}", file=sys.stderr, flush=True)
 
     def save(self, drafter: object, at_most_every: float = 0.0) -> bool:
         """Write ``drafter``'s recycled table if it learnt since it was resumed or saved, and the
