@@ -96,9 +96,12 @@ def test_a_kept_table_drafts_from_the_start_and_output_stays_plain_decoding_s(ti
     kept = LearnedTable(tmp_path / "learned.safetensors", VOCAB)
     first = recycled_drafter(tiny_llama, wrong_table())
     assert kept.resume(first) == 0  # nothing kept yet
-    assert not kept.save(first)  # nothing learnt yet: nothing written
+    assert not kept.save(first) and kept.due_in(first, 60.0) is None  # nothing learnt yet
     assert tiny_llama.generate(prompt, first, max_new_tokens=40).token_ids == plain.token_ids
+    assert 30.0 < kept.due_in(first, 60.0) <= 60.0 and kept.due_in(first, 0.0) == 0.0
+    assert not kept.save(first, at_most_every=60.0)  # its minute is not up
     assert kept.save(first) and not kept.save(first)  # written once: nothing new the second time
+    assert kept.due_in(first, 0.0) is None
     second = recycled_drafter(tiny_llama)  # an empty table of its own, until resumed
     assert kept.resume(second) == len(first.recycled.table)
     out = tiny_llama.generate(prompt, second, max_new_tokens=40)

@@ -204,8 +204,8 @@ class Scheduler:
             self._gauges()
 
     def _keep_table(self, now: bool = False) -> None:
-        """Write the recycled drafts' table where ``--learn`` keeps it: when the server goes idle
-        and its last write is ``TABLE_SAVE_SECONDS`` old, and when it stops."""
+        """Write the recycled drafts' table where ``--learn`` keeps it: while the server is idle,
+        once its last write is ``TABLE_SAVE_SECONDS`` old, and when it stops."""
         try:
             if self.learned_table is not None:
                 self.learned_table.save(self.drafter, 0.0 if now else TABLE_SAVE_SECONDS)
@@ -227,7 +227,7 @@ class Scheduler:
     def _take(self, wait: bool) -> list[Job] | None:
         """Queued jobs, as many as the batch has room for (waiting for one when ``wait``); None
         once stopped."""
-        taken = [self.jobs.get()] if wait else []
+        taken = [self._next_job()] if wait else []
         while len(taken) < self.max_batch - len(self.batch):
             try:
                 taken.append(self.jobs.get_nowait())
@@ -239,6 +239,17 @@ class Scheduler:
         live = [job for job in taken if not job.cancelled.is_set()]
         self._count(cancelled=len(taken) - len(live))
         return live
+
+    def _next_job(self) -> Job | None:
+        """The next queued job, waiting for it; an idle server writes its recycled table when
+        its minute is up, not only as it goes idle."""
+        while True:
+            table = self.learned_table
+            due = table.due_in(self.drafter, TABLE_SAVE_SECONDS) if table is not None else None
+            try:
+                return self.jobs.get(timeout=due)  # None: no write pending, wait for a job
+            except queue.Empty:
+                self._keep_table()
 
     def _emitter(self, job: Job, trimmer: StopTrimmer):
         from selfspec.engine import TextStream

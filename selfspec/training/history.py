@@ -171,6 +171,14 @@ class LearnedTable:
             moved = f"starting a new table (it could not be moved aside: {error.strerror})"
         print(f"[selfspec] warning: {exc}; {moved}", file=sys.stderr, flush=True)
 
+    def due_in(self, drafter: object, at_most_every: float) -> float | None:
+        """Seconds until ``save(drafter, at_most_every)`` would write (0: now); None while there
+        is nothing new to write."""
+        drafts = getattr(drafter, "recycled", None)
+        if drafts is None or drafts.learnt_rows == self._saved_rows:
+            return None
+        return max(0.0, at_most_every - (time.monotonic() - self._saved_at))
+
     def save(self, drafter: object, at_most_every: float = 0.0) -> bool:
         """Write ``drafter``'s recycled table if it learnt since it was resumed or saved, and the
         last write is ``at_most_every`` seconds old (a write of a full table takes a fraction of
