@@ -55,6 +55,9 @@ def rewritten(path, name, change) -> None:
     save_file(tensors, str(path), metadata)
 
 
+NAMES = ("next", "probability")
+
+
 def first_unknown(nexts):
     nexts[0, 0] = -1  # an entry that knows no next token
     return nexts
@@ -70,6 +73,7 @@ def first_unknown(nexts):
         (lambda p: rewritten(p, "tokens", lambda t: t.view(-1, 1)), "damaged"),
         (lambda p: rewritten(p, "token_next", first_unknown), "damaged"),
         (lambda p: rewritten(p, "pair_probability", lambda t: t * float("nan")), "damaged"),
+        (lambda p: [rewritten(p, f"token_{n}", lambda t: t[:, :0]) for n in NAMES], "damaged"),
     ],
     ids=[
         "garbage",
@@ -79,6 +83,7 @@ def first_unknown(nexts):
         "keys of two dimensions",
         "an entry with no next token",
         "probabilities not numbers",
+        "entries of no width",
     ],
 )
 def test_a_file_that_is_not_a_table_for_this_model_is_a_one_line_error(tmp_path, damage, message):

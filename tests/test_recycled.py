@@ -298,11 +298,20 @@ def broken_accept_tree(draft, target_logits, sampling, generator):
     return [], sample(p, generator)
 
 
+def exact_third_token(engine, prompt, sampling, first_two: torch.Tensor) -> torch.Tensor:
+    """P(x3) = sum over x1, x2 of P(x1, x2) p(x3 | prompt, x1, x2), computed exactly."""
+    pairs = [prompt + [x1, x2] for x1 in range(64) for x2 in range(64)]
+    with torch.inference_mode():
+        p3 = sampling.probs(engine.loaded.model(torch.tensor(pairs)).logits[:, -1])
+    return (first_two.flatten()[:, None] * p3).sum(0)
+
+
 @pytest.mark.slow  # thousands of seeded generations
 def test_sampled_tree_drafts_keep_the_target_distribution(tiny_packed, monkeypatch):
     """Sampling, a tree's guesses are certain: the target's draw at each row keeps the child it
     meets (recursive rejection sampling with point masses). The first two tokens' distribution
-    is the target's, and with a broken rule it is not."""
+    (the tree's first level) and the third token's (its second level, where the first guess was
+    kept) are the target's; with a rule broken at the first level the first two tokens' is not."""
     from test_sampling import SIGNIFICANCE, chi_square_p_value, exact_first_two_tokens
 
     from selfspec.runtime import decode
@@ -315,13 +324,15 @@ def test_sampled_tree_drafts_keep_the_target_distribution(tiny_packed, monkeypat
         for token in range(64):
             logits = engine.loaded.model(torch.tensor([prompt + [token]])).logits[0, -1]
             table.record(None, token, logits.topk(3).indices.tolist(), [0.5, 0.3, 0.2])
-    exact = exact_first_two_tokens(engine, prompt, sampling).flatten()
+    first_two = exact_first_two_tokens(engine, prompt, sampling)
+    third = exact_third_token(engine, prompt, sampling, first_two)
     # the first round drafts three nodes: room for them after the first token
     config = engine.decode_config(None, max_new_tokens=5, sampling=sampling, fallback=False)
     config.eos_token_ids, config.max_draft_tokens = (), 3
 
-    def first_two_tokens(n=4000) -> torch.Tensor:
-        counts, judged, kept = torch.zeros(64 * 64), 0, 0  # by (first token, second token)
+    def first_tokens(n=4000) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts of (first token, second token) and of the third token over n generations."""
+        pairs, thirds, judged, kept = torch.zeros(64 * 64), torch.zeros(64), 0, 0
         for seed in range(n):
             recycled = RecycledDrafts(engine.runner, copy.deepcopy(table))  # as designed
             drafter = AdaptiveDrafter(
@@ -330,11 +341,12 @@ def test_sampled_tree_drafts_keep_the_target_distribution(tiny_packed, monkeypat
             )  # fmt: skip
             config.seed = seed
             out = engine.generate(prompt, drafter, config=config)
-            counts[out.token_ids[0] * 64 + out.token_ids[1]] += 1
+            pairs[out.token_ids[0] * 64 + out.token_ids[1]] += 1
+            thirds[out.token_ids[2]] += 1
             judged += out.stats.drafted_by_position[0]
             kept += out.stats.accepted_by_position[0]
         assert 0.1 * judged < kept < 0.9 * judged  # the first level's guesses judged both ways
-        return counts
+        return pairs, thirds
 
     roots, accept_tree = [], decode.accept_tree
 
@@ -343,7 +355,9 @@ def test_sampled_tree_drafts_keep_the_target_distribution(tiny_packed, monkeypat
         return accept_tree(draft, *args)
 
     monkeypatch.setattr(decode, "accept_tree", counted)
-    assert chi_square_p_value(first_two_tokens(), exact) > SIGNIFICANCE
+    pairs, thirds = first_tokens()
+    assert chi_square_p_value(pairs, first_two.flatten()) > SIGNIFICANCE
+    assert chi_square_p_value(thirds, third) > SIGNIFICANCE
     assert sum(children > 1 for children in roots) > 2500  # most runs branched there
     monkeypatch.setattr(decode, "accept_tree", broken_accept_tree)
-    assert chi_square_p_value(first_two_tokens(), exact) < SIGNIFICANCE
+    assert chi_square_p_value(first_tokens()[0], first_two.flatten()) < SIGNIFICANCE

@@ -9,9 +9,9 @@ no second model, costs no pass, and learns across generations, so it serves any 
 acceptance is measured round by round like every other kind of draft (``adaptive``).
 
 Each key keeps the model's few most likely next tokens, so a draft can branch: ``tree`` grows the
-nodes most likely to be kept first, and where the decode loop verifies trees (greedy, a kernel
-runner) one pass checks every branch, each row seeing only its own ancestors. On a CPU every
-verify row has a price, so the drafter takes as many nodes as pay (``adaptive``).
+nodes most likely to be kept first, and where the decode loop verifies trees (a kernel runner,
+greedy or sampled) one pass checks every branch, each row seeing only its own ancestors. On a CPU
+every verify row has a price, so the drafter takes as many nodes as pay (``adaptive``).
 
 The table can be kept between processes (``save``, ``load``): with ``--learn`` a model's table
 is kept beside its record of use, so recycled drafts start from what earlier use taught them.
@@ -224,7 +224,7 @@ def _consistent(tensors: dict[str, torch.Tensor], vocab_size: int) -> bool:
         return False
     for name in ("token", "pair"):  # every entry a first next token and probabilities in [0, 1]
         nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
-        if nexts.numel() and (nexts[:, 0] < 0).any():
+        if nexts.shape[-1] < 1 or (nexts.numel() and (nexts[:, 0] < 0).any()):
             return False
         if chances.dtype != torch.float32 or not ((chances >= 0) & (chances <= 1)).all():
             return False
