@@ -4,8 +4,8 @@ Methods: hf_generate (transformers greedy generate, the baseline), autoregressiv
 loop with no drafter), self_speculative (selfspec's default drafter: context drafts, and the
 model's layer-skip drafts with its plan where they pay, chosen each round from measured costs),
 ngram (the context drafts alone), recycled (context and recycled drafts: no training, no plan),
-recycled_trees (the same, recycled drafts branching into token trees where greedy decoding in a
-kernel mode verifies them; not in the default set), layer_skip (the plan's layer-skip drafts
+recycled_trees (the same, recycled drafts branching into token trees where a kernel mode
+verifies them, greedy or sampled; not in the default set), layer_skip (the plan's layer-skip drafts
 every round),
 dual_model (a smaller model of the same family drafts), hf_assisted (transformers assisted
 generation with that draft model), prompt_lookup (transformers prompt lookup decoding) and,
