@@ -215,15 +215,14 @@ def _consistent(tensors: dict[str, torch.Tensor], vocab_size: int) -> bool:
     names = ("tokens", "pairs", "token_next", "token_probability", "pair_next", "pair_probability")
     if any(name not in tensors for name in names):
         return False
-    for name, keys in (("token", tensors["tokens"]), ("pair", tensors["pairs"])):
-        nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
-        if nexts.dim() != 2 or nexts.shape != chances.shape or len(nexts) != len(keys):
-            return False
     tokens, pairs = tensors["tokens"], tensors["pairs"]
     if tokens.dim() != 1 or pairs.dim() != 2 or pairs.shape[-1] != 2:
         return False
-    for name in ("token", "pair"):  # every entry a first next token and probabilities in [0, 1]
+    for name, keys in (("token", tokens), ("pair", pairs)):
         nexts, chances = tensors[f"{name}_next"], tensors[f"{name}_probability"]
+        if nexts.dim() != 2 or nexts.shape != chances.shape or len(nexts) != len(keys):
+            return False
+        # every entry a first next token, and probabilities in [0, 1]
         if nexts.shape[-1] < 1 or (nexts.numel() and (nexts[:, 0] < 0).any()):
             return False
         if chances.dtype != torch.float32 or not ((chances >= 0) & (chances <= 1)).all():

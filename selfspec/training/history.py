@@ -183,11 +183,9 @@ class LearnedTable:
         """Write ``drafter``'s recycled table if it learnt since it was resumed or saved, and the
         last write is ``at_most_every`` seconds old (a write of a full table takes a fraction of
         a second); whether it wrote."""
-        drafts = getattr(drafter, "recycled", None)
-        if drafts is None or drafts.learnt_rows == self._saved_rows:
+        if self.due_in(drafter, at_most_every) != 0.0:  # nothing new, or its time not yet up
             return False
-        if time.monotonic() - self._saved_at < at_most_every:
-            return False
+        drafts = drafter.recycled
         drafts.table.save(self.path, self.vocab_size)
         self._saved_rows, self._saved_at = drafts.learnt_rows, time.monotonic()
         return True
