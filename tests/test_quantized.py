@@ -113,7 +113,7 @@ def test_q8_kernel_computes_its_formula_on_every_row_alike(type_name):
     gen = torch.Generator().manual_seed(len(type_name))
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[3, 64:96] = 0  # an all-zero block
-    for m in (1, 2, 3, 5, 6, 7, 12, 13, 25, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 25, 100):  # every tile shape, whole and cut short
         got = kernel.q8_linear(x[:m], wq, format, decoded.group, bias, False)
         assert torch.equal(got, kernel.q8_linear(x[:m], wq, format, decoded.group, bias, True)), m
         assert torch.equal(
@@ -142,7 +142,7 @@ def tile_activations(seed: int) -> torch.Tensor:
 def assert_byte_layout_bits(kernel, x, byte_panels, panels, format, group, bias, module) -> None:
     """``panels`` of ``format`` give the byte layout's bits at every tile shape, whole and cut
     short, tiles and scalar reference alike; so does ``module``, which holds them."""
-    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 100):
         expected = kernel.q8_linear(x[:m], byte_panels, blocks.BYTES, group, bias, False)
         for reference in (False, True):
             got = kernel.q8_linear(x[:m], panels, format, group, bias, reference)
@@ -323,7 +323,7 @@ def test_offset_panels_compute_the_formula_on_the_file_s_exact_weights(type_name
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(100, columns, generator=gen) * torch.rand(100, 1, generator=gen) * 4
     x[3, 64:96] = 0  # an all-zero block
-    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 100):  # every tile shape, whole and cut short
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 100):  # every tile shape, whole and cut short
         got = kernel.q8_linear(x[:m], five, format, group, bias, False)
         assert torch.equal(got, kernel.q8_linear(x[:m], five, format, group, bias, True))
         one = kernel.q8_linear(x[m - 1 : m], five, format, group, bias, False)

@@ -30,8 +30,34 @@ constexpr int64_t kSerialRoundingBlocks = 256;  // activation blocks one thread 
 // tile kAvx2Rows. One panel at a time, even for one row: each thread then reads its weights as one
 // stream, which the memory system serves faster than several panels read side by side (README,
 // "2026-11-25 (night)").
+//
+// An AVX2 tile's time is a share for the tile (the weights' unpacking) and a share for each row
+// (its integer products): a tile of 5-8 rows spills some integer sums to the stack, which costs
+// less than a second tile for the rows past 4 (docs/history.md, 2026-12-06). Byte formats (Q8_0)
+// need more registers a step: their tiles stop at kAvx2ByteRows, and a taller block runs as two.
 constexpr int kVnniRows = 12;
-constexpr int kAvx2Rows = 4;
+constexpr int kAvx2Rows = 8;
+constexpr int kAvx2ByteRows = 6;
+
+// A pass's rows over one panel in AVX2 tiles of up to kAvx2Rows rows (the activations' layout,
+// q8_tile_height): ``tile(m0, rows)`` with rows a std::integral_constant.
+template <typename Tile>
+inline void avx2_tiles(int64_t M, const Tile& tile) {
+  using std::integral_constant;
+  static_assert(kAvx2Rows <= 8, "the cases below");
+  for (int64_t m0 = 0; m0 < M; m0 += kAvx2Rows) {
+    switch (std::min<int64_t>(kAvx2Rows, M - m0)) {
+      case 1: tile(m0, integral_constant<int, 1>{}); break;
+      case 2: tile(m0, integral_constant<int, 2>{}); break;
+      case 3: tile(m0, integral_constant<int, 3>{}); break;
+      case 4: tile(m0, integral_constant<int, 4>{}); break;
+      case 5: tile(m0, integral_constant<int, 5>{}); break;
+      case 6: tile(m0, integral_constant<int, 6>{}); break;
+      case 7: tile(m0, integral_constant<int, 7>{}); break;
+      default: tile(m0, integral_constant<int, 8>{}); break;
+    }
+  }
+}
 
 // Rows of a vector tile: the vector paths take the rows of a pass in tiles of this height (the
 // last one shorter).
@@ -350,8 +376,9 @@ inline void store_panel_rows(const __m256 (&acc)[ROWS][2], float* y, int64_t N, 
 // each weight vector is read and unpacked once for every row of the tile.
 // Byte formats hold q + 128: flipping the top bit gives q as int8, so I = sum q * a directly
 // (the reference's sum (q + 128) * a - 128 * S, the same integer). Q6_K comes as six-bit panels
-// (q8six_tile_avx2 below) on the builds that have these tiles.
-template <int FORMAT, int G, int ROWS>
+// (q8six_tile_avx2 below) on the builds that have these tiles. STRIDE: the height of the block
+// of rows the activations interleave (the tile may be part of it).
+template <int FORMAT, int G, int ROWS, int STRIDE = ROWS>
 void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int64_t M, int64_t K,
                  const uint8_t* panel, int64_t p, float* y, int64_t N, const float* bias) {
   using L = Layout<FORMAT, G>;
@@ -366,8 +393,8 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
     alignas(64) float scales[kPanel], offsets[kPanel];
     L::scale_arrays(panel, g0 / G, scales, offsets);
     const uint8_t* q = L::group_prefetching(panel, g0 / G) + L::kGroupHeader;
-    const int32_t* a_lo = quads + (g0 / 4) * ROWS;
-    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * ROWS;
+    const int32_t* a_lo = quads + (g0 / 4) * STRIDE;
+    const int32_t* a_hi = quads + ((g0 + G / 2) / 4) * STRIDE;
     __m256i dot[ROWS][2];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
@@ -385,8 +412,8 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
         const __m256i w1b = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i a0 = _mm256_set1_epi32(a_lo[t * ROWS + r]);
-          const __m256i a1 = _mm256_set1_epi32(a_hi[t * ROWS + r]);
+          const __m256i a0 = _mm256_set1_epi32(a_lo[t * STRIDE + r]);
+          const __m256i a1 = _mm256_set1_epi32(a_hi[t * STRIDE + r]);
           dot[r][0] = _mm256_add_epi16(
               dot[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(w0a, a0), _mm256_maddubs_epi16(w1a, a1)));
           dot[r][1] = _mm256_add_epi16(
@@ -397,14 +424,14 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
         const __m256i wa_abs = _mm256_sign_epi8(wa, wa), wb_abs = _mm256_sign_epi8(wb, wb);
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; ++r) {
-          const __m256i a = _mm256_set1_epi32(a_lo[t * ROWS + r]);
+          const __m256i a = _mm256_set1_epi32(a_lo[t * STRIDE + r]);
           dot[r][0] = add_dot4(dot[r][0], wa_abs, _mm256_sign_epi8(a, wa));
           dot[r][1] = add_dot4(dot[r][1], wb_abs, _mm256_sign_epi8(a, wb));
         }
       }
     }
-    const float* dg = d_t + (g0 / kActBlock) * ROWS;
-    const float* cg = ds32 + (g0 / kActBlock) * ROWS;  // per 32 k: the nibble formats' G
+    const float* dg = d_t + (g0 / kActBlock) * STRIDE;
+    const float* cg = ds32 + (g0 / kActBlock) * STRIDE;  // per 32 k: the nibble formats' G
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const __m256 vd = _mm256_set1_ps(dg[r]);
@@ -425,20 +452,21 @@ void q8tile_avx2(const int32_t* quads, const float* d_t, const float* ds32, int6
 template <int FORMAT, int G>
 void q8_run_panel_avx2(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                        int64_t N, const float* bias) {
-  constexpr int kRows = kAvx2Rows;
-  const int32_t* quads = a.quads;
-  const float* d_t = a.d_t;
-  const float* ds32 = a.ds32;  // d * S per 32 k: the nibble formats' offsets
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8tile_avx2<FORMAT, G, 4>
-                 : rows == 3 ? &q8tile_avx2<FORMAT, G, 3>
-                 : rows == 2 ? &q8tile_avx2<FORMAT, G, 2>
-                             : &q8tile_avx2<FORMAT, G, 1>;
-    // this tile's block of each interleaved array (TileMajor, height kRows = q8_tile_height)
-    tile(quads + K / 4 * m0, d_t + K / kActBlock * m0, ds32 + K / kActBlock * m0, M, K, panel, p, y + m0 * N, N,
-         bias);
-  }
+  // each tile reads its block of each interleaved array (TileMajor, height kAvx2Rows); ds32: d * S
+  // per 32 k, the nibble formats' offsets
+  avx2_tiles(M, [&](int64_t m0, auto rows) {
+    constexpr int kRows = decltype(rows)::value;
+    const int32_t* quads = a.quads + K / 4 * m0;
+    const float *d_t = a.d_t + K / kActBlock * m0, *ds32 = a.ds32 + K / kActBlock * m0;
+    if constexpr (FORMAT == kBytes && kRows > kAvx2ByteRows) {
+      // rows [0, 4) and [4, kRows) of the block, each reading its rows at the block's stride
+      q8tile_avx2<FORMAT, G, 4, kRows>(quads, d_t, ds32, M, K, panel, p, y + m0 * N, N, bias);
+      q8tile_avx2<FORMAT, G, kRows - 4, kRows>(quads + 4, d_t + 4, ds32 + 4, M, K, panel, p, y + (m0 + 4) * N, N,
+                                               bias);
+    } else {
+      q8tile_avx2<FORMAT, G, kRows>(quads, d_t, ds32, M, K, panel, p, y + m0 * N, N, bias);
+    }
+  });
 }
 
 #else

@@ -224,18 +224,13 @@ void q8five_tile_avx2(const int32_t* quads, const float* d_t, const void* sums, 
 template <typename L>
 void q8five_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                    int64_t N, const float* bias) {
-  constexpr int kRows = kAvx2Rows;
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8five_tile_avx2<L, 4>
-                 : rows == 3 ? &q8five_tile_avx2<L, 3>
-                 : rows == 2 ? &q8five_tile_avx2<L, 2>
-                             : &q8five_tile_avx2<L, 1>;
+  avx2_tiles(M, [&](int64_t m0, auto rows) {
     // per group and row: d * S (float offsets: Q5_K, Q5_1) or S (Q5_0, int32), a word each
     const void* sums = L::kFloatOffsets ? static_cast<const void*>(a.ds32 + K / kActBlock * m0)
                                         : static_cast<const void*>(a.s32 + K / 32 * m0);
-    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, sums, M, K, panel, p, y + m0 * N, N, bias);
-  }
+    q8five_tile_avx2<L, decltype(rows)::value>(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, sums, M, K, panel,
+                                               p, y + m0 * N, N, bias);
+  });
 }
 
 constexpr bool kHaveFiveBitTiles = true;

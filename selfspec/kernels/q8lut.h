@@ -185,15 +185,10 @@ void q8lut_tile_avx2(const int32_t* quads, const float* d_t, int64_t M, int64_t 
 template <typename F>
 void q8lut_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y, int64_t N,
                   const float* bias) {
-  constexpr int kRows = kAvx2Rows;
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8lut_tile_avx2<F, 4>
-                 : rows == 3 ? &q8lut_tile_avx2<F, 3>
-                 : rows == 2 ? &q8lut_tile_avx2<F, 2>
-                             : &q8lut_tile_avx2<F, 1>;
-    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, M, K, panel, p, y + m0 * N, N, bias);
-  }
+  avx2_tiles(M, [&](int64_t m0, auto rows) {
+    q8lut_tile_avx2<F, decltype(rows)::value>(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, M, K, panel, p,
+                                              y + m0 * N, N, bias);
+  });
 }
 
 constexpr bool kHaveLutTiles = true;

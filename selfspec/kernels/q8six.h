@@ -315,16 +315,10 @@ void q8six_tile_avx2(const int32_t* quads, const float* d_t, const int32_t* s16,
 template <typename U>
 inline void q8six_vector(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* panel, int64_t p, float* y,
                          int64_t N, const float* bias) {
-  constexpr int kRows = kAvx2Rows;
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-    auto* tile = rows == 4   ? &q8six_tile_avx2<U, 4>
-                 : rows == 3 ? &q8six_tile_avx2<U, 3>
-                 : rows == 2 ? &q8six_tile_avx2<U, 2>
-                             : &q8six_tile_avx2<U, 1>;
-    tile(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, a.s16 + K / 16 * m0, M, K, panel, p, y + m0 * N, N,
-         bias);
-  }
+  avx2_tiles(M, [&](int64_t m0, auto rows) {
+    q8six_tile_avx2<U, decltype(rows)::value>(a.quads + K / 4 * m0, a.d_t + K / kActBlock * m0, a.s16 + K / 16 * m0,
+                                              M, K, panel, p, y + m0 * N, N, bias);
+  });
 }
 
 constexpr bool kHaveSixBitTiles = true;
