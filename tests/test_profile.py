@@ -43,3 +43,16 @@ def test_profile_times_a_draft_of_every_head_guess(smollm2):
     pass_ms = result["forward_ms"]["4"]
     assert result["ahead_sequential_ms"] > 0.5 * (result["head_draft_ms"] + pass_ms)
     assert result["ahead_beside_ms"] > 0.5 * max(result["head_draft_ms"], pass_ms)
+
+
+def test_profile_fastest_reports_each_measurements_fastest_round(smollm2):
+    """`selfspec profile --fastest`: the least of each measurement's rounds, not their median (for
+    two builds compared one after the other on a machine shared with others)."""
+    from selfspec.bench.profiler import profile_engine, summary
+
+    assert summary(True)([3.0, 1.0, 2.0]) == 1.0 and summary(False)([3.0, 1.0, 2.0]) == 2.0
+    result = profile_engine(smollm2, None, prefix=16, repeats=3, rows=[2], fastest=True)
+    assert result["statistic"] == "fastest" and list(result["forward_ms"]) == ["1", "2"]
+    assert all(ms > 0 for ms in result["forward_ms"].values())
+    median = profile_engine(smollm2, None, prefix=16, repeats=3, rows=[2])
+    assert median["statistic"] == "median"
