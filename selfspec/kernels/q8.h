@@ -39,28 +39,9 @@ constexpr int kVnniRows = 12;
 constexpr int kAvx2Rows = 8;
 constexpr int kAvx2ByteRows = 6;
 
-// A pass's rows over one panel in AVX2 tiles of up to kAvx2Rows rows (the activations' layout,
-// q8_tile_height): ``tile(m0, rows)`` with rows a std::integral_constant.
-template <typename Tile>
-inline void avx2_tiles(int64_t M, const Tile& tile) {
-  using std::integral_constant;
-  static_assert(kAvx2Rows <= 8, "the cases below");
-  for (int64_t m0 = 0; m0 < M; m0 += kAvx2Rows) {
-    switch (std::min<int64_t>(kAvx2Rows, M - m0)) {
-      case 1: tile(m0, integral_constant<int, 1>{}); break;
-      case 2: tile(m0, integral_constant<int, 2>{}); break;
-      case 3: tile(m0, integral_constant<int, 3>{}); break;
-      case 4: tile(m0, integral_constant<int, 4>{}); break;
-      case 5: tile(m0, integral_constant<int, 5>{}); break;
-      case 6: tile(m0, integral_constant<int, 6>{}); break;
-      case 7: tile(m0, integral_constant<int, 7>{}); break;
-      default: tile(m0, integral_constant<int, 8>{}); break;
-    }
-  }
-}
-
-// Rows of a vector tile: the vector paths take the rows of a pass in tiles of this height (the
-// last one shorter).
+// Rows of a vector tile: the vector paths take the rows of a pass in blocks of this height (the
+// last one shorter), the rows the activations interleave; a block is one tile, or on AVX2 for
+// byte formats past kAvx2ByteRows rows two.
 inline int64_t q8_tile_height(int64_t M) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   return kVnniRows;
@@ -74,7 +55,8 @@ inline int64_t q8_tile_height(int64_t M) {
 // Where row m's entries lie in an interleaved array: rows grouped tile by tile (q8_tile_height),
 // each tile's entries contiguous step after step, so that a tile starting at row m0 reads step i
 // of its row r at (steps * m0) + i * ROWS + r, one pointer plus a constant per row, with no address
-// arithmetic in the inner loop. ``at(steps, i)``: step i of an array of ``steps`` steps per row.
+// arithmetic in the inner loop (a tile of part of a block, rows r0.. of it: (steps * m0) + i *
+// the block's rows + r0 + r). ``at(steps, i)``: step i of an array of ``steps`` steps per row.
 struct TileMajor {
   int64_t m0, rows, r;
   TileMajor(int64_t M, int64_t height, int64_t m)
@@ -339,6 +321,26 @@ void q8_run_group(const QuantizedRows& a, int64_t M, int64_t K, const uint8_t* w
 
 #elif defined(__AVX2__)
 constexpr bool kHaveVnni = false;
+
+// A pass's rows over one panel in AVX2 tiles of up to kAvx2Rows rows (the activations' layout,
+// q8_tile_height): ``tile(m0, rows)`` with rows a std::integral_constant.
+template <typename Tile>
+inline void avx2_tiles(int64_t M, const Tile& tile) {
+  using std::integral_constant;
+  static_assert(kAvx2Rows <= 8, "the cases below");
+  for (int64_t m0 = 0; m0 < M; m0 += kAvx2Rows) {
+    switch (std::min<int64_t>(kAvx2Rows, M - m0)) {
+      case 1: tile(m0, integral_constant<int, 1>{}); break;
+      case 2: tile(m0, integral_constant<int, 2>{}); break;
+      case 3: tile(m0, integral_constant<int, 3>{}); break;
+      case 4: tile(m0, integral_constant<int, 4>{}); break;
+      case 5: tile(m0, integral_constant<int, 5>{}); break;
+      case 6: tile(m0, integral_constant<int, 6>{}); break;
+      case 7: tile(m0, integral_constant<int, 7>{}); break;
+      default: tile(m0, integral_constant<int, 8>{}); break;
+    }
+  }
+}
 
 // Eight lanes of float16 / int8 / uint8 as float32, whatever width ``vec`` has in this build (on
 // AVX-512 CPUs without VNNI these tiles run with a 16-lane vec).
