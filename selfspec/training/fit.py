@@ -37,9 +37,12 @@ def fit_rows(
     owner=None,
     deadline=None,
     ranks=Ranks(),
+    ids=None,
 ):
     """A chain of heads from normed final hidden states [n, hidden] and ``chain_tokens``
-    [heads + 1, n], on the device ``out`` (the output head's rows [vocab, hidden]) is on; ``embed``
+    [heads + 1, n], on the device ``out`` (the output head's rows [scored, hidden]) is on: the
+    rows of the token ``ids`` (most frequent first: the heads' ``frequent``), or with None of the
+    first ids; the heads learn to tell those ids apart. ``embed``
     holds every token's input embedding [vocab, hidden]; ``init``: ``DraftHeads`` to start from
     (default: zeros); ``layers``: 1 or 2 per head (one-layer ``init`` made two-layer).
     ``soft`` > 0 mixes in that share of cross-entropy against the model's own distribution of the
@@ -56,25 +59,47 @@ def fit_rows(
     owner = None if owner is None else owner.to(device)
     heads = initial_heads(init, count, hidden.shape[1], device, layers)
     rows = (tokens[1] >= 0).nonzero()[:, 0]
-    _train(heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline, ranks)
+    place = row_places(ids, len(out), embed.shape[0], device)
+    _train(
+        heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline, ranks,
+        place,
+    )  # fmt: skip
     heads = heads.detached()
-    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed)
+    top1 = chain_top1(test_hidden, test_tokens, heads.to(device), out, embed, place=place)
     heads.info = {
         "layers": layers,
         "soft": soft,
-        "vocab_prefix": len(out),
         "rows": len(rows),
         "heldout_top1_by_head": [round(t, 4) for t in top1],
         "heldout_top1": round(top1[0], 4),
     }
-    earlier = init.frequent if init is not None else None
-    heads.frequent = frequent_ids(tokens[1], embed.shape[0], earlier=earlier)
+    if ids is None:
+        heads.info["vocab_prefix"] = len(out)
+        earlier = init.frequent if init is not None else None
+        heads.frequent = frequent_ids(tokens[1], embed.shape[0], earlier=earlier)
+    else:
+        heads.info["scored_ids"] = len(out)
+        heads.frequent = torch.as_tensor(ids).cpu().long().clone()
     return heads
+
+
+def row_places(ids, scored: int, vocab: int, device) -> torch.Tensor:
+    """[vocab + 1]: each token id's row among the ``scored`` rows of ``out`` (those of ``ids``, or
+    the first ids), -100 for ids it lacks; the last entry is for -1 (no token)."""
+    place = torch.full((vocab + 1,), -100, dtype=torch.long, device=device)
+    ids = torch.arange(scored) if ids is None else torch.as_tensor(ids).long()
+    place[ids.to(device)] = torch.arange(len(ids), device=device)
+    return place
+
+
+def _places(tokens, place):
+    """Token ids (-1: none) as rows of ``out`` (-100: none, or not scored)."""
+    return place[tokens.to(place.device)]
 
 
 def _train(
     heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline=None,
-    ranks=Ranks(),
+    ranks=Ranks(), place=None,
 ) -> None:  # fmt: skip
     """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place, until
     ``deadline``. Each process of ``ranks`` takes its share of every batch; a loss is its rows'
@@ -84,6 +109,8 @@ def _train(
         t.requires_grad_()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
+    if place is None:
+        place = row_places(None, len(out), embed.shape[0], out.device)
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
     bar = progress_bar(steps, f"{len(tokens) - 1} chained heads", unit="batch")
@@ -95,10 +122,10 @@ def _train(
                 return
             whole = order[first : first + batch]
             i = whole[ranks.rank :: ranks.world]
-            chain = _chain(hidden[i], tokens[:, i], links, out, embed)
+            chain = _chain(hidden[i], tokens[:, i], links, out, embed, place)
             losses = []
             for j, (logits, target) in enumerate(chain):
-                loss = _hard_loss(logits, target, _guessable(tokens[j + 1, whole], len(out)))
+                loss = _hard_loss(logits, target, _guessable(tokens[j + 1, whole], place))
                 if soft > 0:
                     count = int(_same_answer(whole, j, owner, len(hidden)).sum())
                     soft_part = soft_loss(logits, hidden, owner, i, j, out, count)
@@ -139,9 +166,9 @@ def initial_heads(init, count, size, device, layers) -> DraftHeads:
     return first.mapped(lambda t: t.to(device, torch.float32).detach().clone())
 
 
-def _guessable(tokens, vocab_prefix: int) -> int:
+def _guessable(tokens, place) -> int:
     """How many of a batch's tokens for a head are among the ids it scores."""
-    return int(((tokens >= 0) & (tokens < vocab_prefix)).sum())
+    return int((_places(tokens, place) >= 0).sum())
 
 
 def _hard_loss(logits, target, count: int):
@@ -186,29 +213,33 @@ def frequent_ids(
     return order[first[order] == place][: max(count, len(earlier))].clone()  # each id once
 
 
-def _chain(hidden, tokens, steps, out, embed):
-    """Per head: (logits over ``out``'s ids [rows, len(out)], the token to guess, -100 where
-    there is none in ``out``), the chain (``DraftHeads.steps``) fed the true tokens."""
+def _chain(hidden, tokens, steps, out, embed, place):
+    """Per head: (logits over ``out``'s ids [rows, len(out)], the row of ``out`` to guess (by
+    ``row_places``' ``place``), -100 where there is none), the chain (``DraftHeads.steps``) fed the
+    true tokens."""
     device = out.device
     state = hidden.to(device, torch.float32)
     tokens = tokens.to(device)
     for j, step in enumerate(steps):
         fed = token_input(embed[tokens[j].clamp(min=0).to(embed.device)].to(device))
         state = step(state, fed)
-        target = tokens[j + 1]
-        yield state @ out.T, torch.where((target >= 0) & (target < len(out)), target, -100)
+        yield state @ out.T, _places(tokens[j + 1], place)
 
 
-def chain_top1(hidden, tokens, heads: DraftHeads, out, embed, batch=4096) -> list[float]:
+def chain_top1(
+    hidden, tokens, heads: DraftHeads, out, embed, batch=4096, place=None
+) -> list[float]:
     """Per head j: the share of rows (those with a token for it) where heads 1..j all guess
-    right."""
+    right (``out``'s rows: ``row_places``' ``place``, default the first ids)."""
+    if place is None:
+        place = row_places(None, len(out), embed.shape[0], out.device)
     right = torch.zeros(len(heads))
     total = torch.zeros(len(heads))
     with torch.no_grad():
         for first in range(0, hidden.shape[0], batch):
             chain = _chain(
                 hidden[first : first + batch], tokens[:, first : first + batch],
-                heads.steps(), out, embed,
+                heads.steps(), out, embed, place,
             )  # fmt: skip
             so_far = None
             for j, (logits, target) in enumerate(chain):

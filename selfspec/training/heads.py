@@ -22,18 +22,19 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from selfspec.drafters.heads import DraftHeads
+from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_text
 from selfspec.loading.fetch import progress_bar
 from selfspec.training.budget import Budget, past
-from selfspec.training.fit import fit_rows
+from selfspec.training.fit import fit_rows, frequent_ids
 from selfspec.training.history import History
 from selfspec.training.ranks import Ranks, prefix
 
@@ -60,7 +61,7 @@ QUESTION_PROMPT = (
     "assistant about {topic}. Vary their style and length. One per line, no numbering, "
     "nothing else."
 )
-BATCH = 8  # sequences per pass while answering
+BATCH = 8  # answers written in one pass at a time (more rows cost about as much each)
 # Tasks over a text the model wrote itself (one of its answers): what users ask of a model about a
 # document (summaries, answers from a passage, extraction, translation, rewriting), whose answers
 # copy and transform their prompt in ways answers to short questions do not.
@@ -85,53 +86,110 @@ def generate_greedy(
     save: Callable[[list[list[int]]], None] | None = None,
     deadline: float | None = None,
     budget: Budget | None = None,
+    states: dict | None = None,
 ):
-    """Greedy answers, ``BATCH`` prompts per pass where the runner batches, else one by one,
-    after the ``done`` ones (an earlier run's): each group's are handed to ``save``; none begins
-    past ``deadline`` once there are two, so there may be fewer answers than prompts."""
+    """Greedy answers, after the ``done`` ones (an earlier run's), in order, handed to ``save`` as
+    they come; none begins past ``deadline`` once there are two (one to train on, one held out),
+    so there may be fewer answers than prompts. Where the runner batches, up to ``BATCH`` answers
+    are written at once, a new one begun as soon as one ends; ``states`` gets their hidden states
+    as ``features`` would compute them (``keep_states``)."""
     runner, eos = engine.runner, set(engine.eos_ids())
     answers: list[list[int]] = list(done or [])
-    size = BATCH if runner.can_batch else 1
     bar = progress_bar(len(prompts), desc, unit="answer")
     bar.update(len(answers))
-    for first in range(len(answers), len(prompts), size):
-        if past(deadline) and len(answers) >= 2:  # two: one to train on, one held out
-            break
-        group = prompts[first : first + size]
-        if runner.can_batch:
-            answers += _answer_group(engine, group, max_new, eos)
-        else:
-            answers.append(engine.generate(group[0], None, max_new_tokens=max_new).token_ids)
-        if save:
+    first, waiting, saved = len(answers), {}, len(answers)
+    todo = prompts[first:]
+
+    def may_begin(begun: int) -> bool:  # begun: of ``todo``
+        return not (past(deadline) and first + begun >= 2)
+
+    if runner.can_batch:
+        finished = _answer_stream(engine, todo, max_new, eos, states, may_begin)
+    else:
+        finished = (
+            (i, engine.generate(p, None, max_new_tokens=max_new).token_ids)
+            for i, p in enumerate(todo)
+            if may_begin(i)
+        )
+    for index, answer in finished:
+        waiting[first + index] = answer
+        while len(answers) in waiting:  # in the prompts' order
+            answers.append(waiting.pop(len(answers)))
+        if save and len(answers) >= saved + BATCH:
             save(answers)
+            saved = len(answers)
         if budget:
             budget.show(bar)
-        bar.update(len(group))
+        bar.update()
+    if save and len(answers) > saved:
+        save(answers)
     bar.close()
     return answers
 
 
-def _answer_group(engine: Engine, prompts: list[list[int]], max_new: int, eos: set[int]):
+@dataclass
+class _Answering:
+    """One answer being written: its cache, its tokens so far and their final hidden states."""
+
+    prompt: list[int]
+    cache: object
+    answer: list[int]
+    rows: list[torch.Tensor]
+
+    def ended(self, eos: set[int], max_new: int) -> bool:
+        return self.answer[-1] in eos or len(self.answer) >= max_new
+
+
+def _answer_stream(engine: Engine, prompts, max_new: int, eos: set[int], states, may_begin):
+    """(index, answer) of ``prompts``' greedy answers as each ends, ``BATCH`` of them written in
+    one pass at a time; prompt ``i`` begins while ``may_begin(i)``."""
     runner = engine.runner
-    caches, pending, answers = [], [], []
-    for prompt in prompts:
-        cache = runner.new_cache(len(prompt) + max_new + 1)
-        with runner.using(cache):
-            logits, _ = runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
-        caches.append(cache)
-        pending.append(int(logits[-1].argmax()))
-        answers.append([pending[-1]])
-    for _ in range(max_new - 1):
-        live = [i for i, a in enumerate(answers) if a[-1] not in eos]
+    live: dict[int, _Answering] = {}
+    begun = 0
+    while True:
+        while len(live) < BATCH and begun < len(prompts) and may_begin(begun):
+            live[begun] = _begin_answer(runner, prompts[begun], max_new, states is not None)
+            begun += 1
+        for i in [i for i, a in live.items() if a.ended(eos, max_new)]:
+            done = live.pop(i)
+            if states is not None:
+                keep_states(states, done.prompt, done.answer, torch.cat(done.rows))
+            yield i, done.answer
         if not live:
-            break
-        positions = [len(prompts[i]) + len(answers[i]) - 1 for i in live]
+            if begun == len(prompts) or not may_begin(begun):
+                return
+            continue
+        writing = list(live.values())
+        positions = [len(a.prompt) + len(a.answer) - 1 for a in writing]
         logits = runner.forward_many(
-            [caches[i] for i in live], [answers[i][-1] for i in live], positions
+            [a.cache for a in writing], [a.answer[-1] for a in writing], positions
         )
-        for row, i in enumerate(live):
-            answers[i].append(int(logits[row].argmax()))
-    return answers
+        normed = _normed(runner, runner.last_rows_hidden) if states is not None else None
+        for row, a in enumerate(writing):
+            a.answer.append(int(logits[row].argmax()))
+            if normed is not None:
+                a.rows.append(normed[row : row + 1])
+
+
+def _begin_answer(runner, prompt: list[int], max_new: int, keep: bool) -> _Answering:
+    """The prompt's pass into a cache of its own: its answer's first token."""
+    cache = runner.new_cache(len(prompt) + max_new + 1)
+    with runner.using(cache):
+        logits, _ = runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
+    rows = [_normed(runner, runner.last_hidden)] if keep else []
+    return _Answering(prompt, cache, [int(logits[-1].argmax())], rows)
+
+
+@torch.inference_mode()
+def _normed(runner, hidden: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [rows, hidden] as the heads read them: normed, float16, on the CPU."""
+    return runner.adapter.final_norm(hidden).float().half().cpu()
+
+
+def keep_states(states: dict, prompt: list[int], answer: list[int], normed: torch.Tensor) -> None:
+    """Keep an answer's hidden states, from the one that produced its first token on ([len(answer)
+    or more, hidden], normed), for ``features``: those of the rows it trains on."""
+    states[tuple(prompt + answer)] = normed[: len(answer) - 1]
 
 
 def task_prompt(text: str, question: str, rng: random.Random) -> str:
@@ -161,17 +219,18 @@ def write_questions(engine: Engine, per_topic: int, topics=TOPICS, ranks=Ranks()
 
 
 def answered(engine, ranks: Ranks, prompts, max_new, desc, done=None, save=None, deadline=None,
-             budget=None) -> list[list[int]]:  # fmt: skip
+             budget=None, states=None) -> list[list[int]]:  # fmt: skip
     """``generate_greedy`` over several processes: each answers every ``world``-th prompt, and
     every process gets the answers of the prompts all answered, in order (saved once at the end:
-    a stopped run of several processes resumes from where the last stage it finished left)."""
+    a stopped run of several processes resumes from where the last stage it finished left).
+    ``states``: the hidden states of the answers this process wrote."""
     if ranks.world == 1:
-        return generate_greedy(engine, prompts, max_new, desc, done, save, deadline, budget)
+        return generate_greedy(engine, prompts, max_new, desc, done, save, deadline, budget, states)
     share = ranks.share(prompts)
     done = list(done or [])
     mine = [done[i] for i, _ in share if i < len(done)]
     prompts = [p for _, p in share]
-    got = generate_greedy(engine, prompts, max_new, desc, mine, None, deadline, budget)
+    got = generate_greedy(engine, prompts, max_new, desc, mine, None, deadline, budget, states)
     answers = prefix(ranks.gather(list(zip((i for i, _ in share), got))))
     if save and ranks.main:
         save(answers)
@@ -193,11 +252,13 @@ def answers_for(
     max_new: int,
     budget: Budget | None = None,
     ranks: Ranks = Ranks(),
+    states: dict | None = None,
 ) -> dict:
     """The questions and the model's answers, then tasks over a quarter of those answers and the
     model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them. Saved
     after every group of answers; with a ``budget``, answers stop at 45% of it and tasks at 60%,
-    so that the hidden states and the fit get the rest."""
+    so that the hidden states and the fit get the rest. ``states`` gets the hidden states of the
+    answers written now (``generate_greedy``)."""
     budget = budget or Budget(None)
     path = work / "answers.json"
     data = json.loads(path.read_text()) if ranks.main and path.is_file() else {}
@@ -226,7 +287,7 @@ def answers_for(
 
     data["answers"] = answered(
         engine, ranks, data["prompts"], max_new, "answers", data.get("answers"),
-        saver("answers"), budget.until(0.45), budget,
+        saver("answers"), budget.until(0.45), budget, states,
     )  # fmt: skip
     if "task_prompts" not in data or len(data["task_prompts"]) < len(data["answers"]) // 4:
         texts = task_texts(
@@ -242,7 +303,7 @@ def answers_for(
         data["task_answers"] = data.get("task_answers", [])[: len(data["task_prompts"])]
     data["task_answers"] = answered(
         engine, ranks, data["task_prompts"], max_new, "tasks", data.get("task_answers"),
-        saver("task_answers"), budget.until(0.27), budget,
+        saver("task_answers"), budget.until(0.27), budget, states,
     )  # fmt: skip
     return data
 
@@ -254,23 +315,29 @@ def features(
     answers: list[list[int]],
     heads: int,
     deadline: float | None = None,
+    states: dict | None = None,
 ):
-    """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``
-    (none begun past ``deadline``)."""
+    """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``;
+    those kept in ``states`` while answering are not computed again; None for the others past
+    ``deadline`` once there are two."""
     runner = engine.runner
-    out = []
+    states = states or {}
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     bar = progress_bar(len(prompts), "hidden states", unit="answer")
     for prompt, answer in zip(prompts, answers):
-        if past(deadline) and len(out) >= 2:
-            break
         ids = prompt + answer
-        runner.reset(len(ids) + 1)
-        _, hidden = runner.forward(
-            torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
-        )
         rows = torch.arange(len(prompt) - 1, len(ids) - 2)
-        normed = runner.adapter.final_norm(hidden[0, rows]).float()
-        out.append((normed.half().cpu(), chain_tokens(ids, rows, heads)))
+        normed = states.get(tuple(ids))
+        if normed is None and past(deadline) and sum(r is not None for r in out) >= 2:
+            out.append(None)
+            continue
+        if normed is None:
+            runner.reset(len(ids) + 1)
+            _, hidden = runner.forward(
+                torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
+            )
+            normed = _normed(runner, hidden[0, rows])
+        out.append((normed, chain_tokens(ids, rows, heads)))
         bar.update()
     bar.close()
     return out
@@ -295,16 +362,16 @@ def embedding_table(engine: Engine, chunk: int = 4096) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def output_rows(engine: Engine, count: int) -> torch.Tensor:
-    """The output head's first ``count`` rows as float32 [count, hidden] (the head over the unit
-    vectors, in the engine's own arithmetic)."""
+def output_rows(engine: Engine, ids: torch.Tensor) -> torch.Tensor:
+    """The output head's rows of token ``ids`` as float32 [len(ids), hidden] (the head over the
+    unit vectors, in the engine's own arithmetic)."""
     runner = engine.runner
     head = runner.model.get_output_embeddings()
-    from selfspec.kernels import linear_prefix
+    from selfspec.kernels import linear_rows
 
     eye = torch.eye(head.in_features, device=runner.device, dtype=runner.dtype)
     with torch.inference_mode():
-        rows = linear_prefix(head, eye, count).float().T.cpu()
+        rows = linear_rows(head, ids.to(runner.device))(eye).float().T.cpu()
     return rows.clone()  # outside inference mode: training saves it for the backward pass
 
 
@@ -321,7 +388,7 @@ def fit(
     answers: list[tuple[torch.Tensor, torch.Tensor]],
     heads: int,
     epochs: int = 3,
-    vocab_prefix: int = 32768,
+    scored: int = 2 * FREQUENT_IDS,
     heldout: float = HELDOUT,
     seed: int = 0,
     layers: int = 2,
@@ -330,9 +397,10 @@ def fit(
     init: DraftHeads | None = None,
     ranks: Ranks = Ranks(),
 ) -> DraftHeads:
-    """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over the first
-    ``vocab_prefix`` ids, ``soft`` of it against the model's own distribution; guesses past them
-    are left out) on all but the last ``heldout`` share of answers, measured on those; no batch
+    """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over ``scored`` ids,
+    the training answers' most frequent as ``frequent_ids`` picks them, ``soft`` of it against the
+    model's own distribution; a draft scores the most frequent and the context's, so the others are
+    left out) on all but the last ``heldout`` share of answers, measured on those; no batch
     begins past ``deadline``. ``init``: heads to start from (default: zeros). ``ranks``: each
     batch split over several processes."""
     if len(answers) < 2:
@@ -341,17 +409,21 @@ def fit(
             "(the model wrote too few usable questions)"
         )
     torch.manual_seed(seed)
-    vocab_prefix = min(vocab_prefix, engine.runner.head_rows)
     split = held_out_from(len(answers), heldout)
     train, test = answers[:split], answers[split:] or answers[-1:]
     owner = torch.cat([torch.full((len(h),), k) for k, (h, _) in enumerate(train)])
+    tokens = torch.cat([y for _, y in train], dim=1)[: heads + 1]
+    embed = embedding_table(engine)
+    vocab = min(engine.runner.head_rows, len(embed))
+    earlier = init.frequent if init is not None else None
+    ids = frequent_ids(tokens[1], vocab, min(scored, vocab), earlier)
     trained = fit_rows(
         torch.cat([h for h, _ in train]),
-        torch.cat([y for _, y in train], dim=1)[: heads + 1],
+        tokens,
         torch.cat([h for h, _ in test]),
         torch.cat([y for _, y in test], dim=1)[: heads + 1],
-        output_rows(engine, vocab_prefix),
-        embedding_table(engine),
+        output_rows(engine, ids),
+        embed,
         epochs,
         layers=layers,
         soft=soft,
@@ -359,6 +431,7 @@ def fit(
         deadline=deadline,
         init=init,
         ranks=ranks,
+        ids=ids,
     )
     trained.info.update(
         model=engine.loaded.name,
@@ -392,16 +465,22 @@ def train_heads(
     (``selfspec.training.ranks``); the main one measures and saves."""
     started = time.time()
     budget = budget or Budget(None)
+    states: dict = {}  # the hidden states of the answers written now: computed once
     if history is None:
-        pairs = answered_pairs(answers_for(engine, work, questions, max_new, budget, ranks))
+        data = answers_for(engine, work, questions, max_new, budget, ranks, states)
+        pairs = answered_pairs(data)
     else:
         pairs = history_pairs(engine, history)
     random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
-    # the hidden states cost about what the fit does: each gets a little under half of what is left
+    # hidden states not kept while answering (a history's, a resumed run's) cost about what the
+    # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
     share = ranks.share(pairs)
-    got = features(engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until)
-    kept = ranks.gather(list(zip((i for i, _ in share), got)))  # a process may stop sooner
+    got = features(
+        engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until, states
+    )
+    # a process may stop sooner
+    kept = ranks.gather([(i, rows) for (i, _), rows in zip(share, got) if rows is not None])
     pairs, rows = [pairs[i] for i, _ in kept], [r for _, r in kept]
     fit_until = budget.until(0.85)
     trained = fit(
