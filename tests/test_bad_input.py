@@ -188,6 +188,18 @@ CLI_ROWS = [
         "--fresh goes with --from-history",
     ),
     (
+        "train-heads temperature past 2",
+        ["train-heads", *M, "--temperature", "3"],
+        None,
+        "--temperature must be between 0 and 2",
+    ),
+    (
+        "train-heads temperature from history",
+        ["train-heads", *M, "--temperature", "0.7", "--from-history"],
+        None,
+        "--temperature is for answers train-heads writes",
+    ),
+    (
         "missing heads file",
         lambda t: ["generate", "hi", *M, "--heads", str(t / "absent.safetensors")],
         None,

@@ -14,8 +14,9 @@ from selfspec.drafters.base import DraftRequest, DraftSettings, RoundOutcome
 from selfspec.drafters.heads import DraftHeads, HeadDrafter, fastest_products
 from selfspec.errors import SelfSpecError
 from selfspec.runtime.sampling import Sampling
+from selfspec.training.answers import BATCH, generate_answers
 from selfspec.training.fit import frequent_ids
-from selfspec.training.heads import BATCH, features, generate_greedy, train_heads
+from selfspec.training.heads import features, train_heads
 
 
 def random_heads(size: int, count: int, vocab_prefix: int, scale: float = 0.5) -> DraftHeads:
@@ -311,7 +312,7 @@ def test_answers_written_together_keep_the_hidden_states_a_pass_over_each_gives(
     questions += [f"List {n} fruits." for n in range(2, 7)]
     prompts = [engine.encode(q, chat=True) for q in questions]
     states: dict = {}
-    answers = generate_greedy(engine, prompts, 40, "answers", states=states)
+    answers = generate_answers(engine, prompts, 40, "answers", states=states)
     lengths = [len(a) for a in answers]
     assert len(prompts) > BATCH and min(lengths) < 40 == max(lengths)  # some ended sooner
     for prompt, answer in zip(prompts, answers):

@@ -26,6 +26,13 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--max-new-tokens", type=int, default=192, help="tokens per answer at most (192)"
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="draw the answers at this temperature (default 0: greedy); each answer's draw is "
+        "seeded by its prompt",
+    )
     parser.add_argument("--heads", type=int, default=2, help="heads to train, token 2, 3, ... (2)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over the answers (3)")
     parser.add_argument("--layers", type=int, choices=(1, 2), default=2, help="layers per head (2)")
@@ -85,6 +92,10 @@ def run(args) -> int:
         check_at_least(flag, value, 1)
     if args.budget is not None and not args.budget > 0:
         raise SelfSpecError(f"--budget must be a positive number of minutes, not {args.budget}")
+    if not 0 <= args.temperature <= 2:
+        raise SelfSpecError(f"--temperature must be between 0 and 2, not {args.temperature}")
+    if args.temperature and args.from_history is not None:
+        raise SelfSpecError("--temperature is for answers train-heads writes, not --from-history")
     if not 0 <= args.soft <= 1:
         raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
     if args.fresh and args.from_history is None:
@@ -108,7 +119,7 @@ def run(args) -> int:
     heads = train_heads(
         engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
         args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
-        history=history, start=start, ranks=ranks,
+        history=history, start=start, ranks=ranks, temperature=args.temperature,
     )  # fmt: skip
     if ranks.main:
         print(report(out, heads))

@@ -84,17 +84,19 @@ def fit_rows(
 
 
 def row_places(ids, scored: int, vocab: int, device) -> torch.Tensor:
-    """[vocab + 1]: each token id's row among the ``scored`` rows of ``out`` (those of ``ids``, or
-    the first ids), -100 for ids it lacks; the last entry is for -1 (no token)."""
-    place = torch.full((vocab + 1,), -100, dtype=torch.long, device=device)
-    ids = torch.arange(scored) if ids is None else torch.as_tensor(ids).long()
+    """[vocab]: each token id's row among the ``scored`` rows of ``out`` (those of ``ids``, or the
+    first ids), -100 for ids it lacks."""
+    place = torch.full((vocab,), -100, dtype=torch.long, device=device)
+    ids = torch.arange(min(scored, vocab)) if ids is None else torch.as_tensor(ids).long()
     place[ids.to(device)] = torch.arange(len(ids), device=device)
     return place
 
 
 def _places(tokens, place):
     """Token ids (-1: none) as rows of ``out`` (-100: none, or not scored)."""
-    return place[tokens.to(place.device)]
+    tokens = tokens.to(place.device)
+    known = (tokens >= 0) & (tokens < len(place))
+    return torch.where(known, place[tokens.clamp(0, len(place) - 1)], -100)
 
 
 def _train(

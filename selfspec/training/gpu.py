@@ -9,7 +9,7 @@ states are the float model's, not a CPU speed mode's; the heads are measured on 
 by `selfspec bench`. Besides those of `selfspec train-heads`, some rows continue raw text (an
 answer cut short, no chat template), as prompts do that continue code, and some ask for a task
 over one of the model's own answers (a summary, an answer from the passage, a translation...:
-``selfspec.training.heads.TASKS``), as prompts do that bring a document.
+``selfspec.training.answers.TASKS``), as prompts do that bring a document.
 
     python3 -m selfspec.training.gpu MODEL_DIR GGUF_NAME TOKENIZER_DIR OUT_DIR [--questions N]
         [--answers A.safetensors[.xz] ...]   # earlier runs' answers: train on them too
@@ -38,14 +38,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from selfspec.drafters.heads import DraftHeads
+from selfspec.training.answers import QUESTION_PROMPT, TOPICS, add_questions, task_texts
 from selfspec.training.fit import chain_top1, fit_rows
-from selfspec.training.heads import (
-    QUESTION_PROMPT,
-    TOPICS,
-    add_questions,
-    chain_tokens,
-    task_texts,
-)
+from selfspec.training.heads import chain_tokens
 
 STARTED = time.time()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only to try the script
@@ -148,7 +143,7 @@ def write_answers(model, tok, chat, eos, pad, rng, args, out_dir):
     raw-text continuations, saved to out_dir: (prompts, answers, continuations), the answers
     holding all three kinds."""
     asks = [
-        chat(QUESTION_PROMPT.format(n=15, topic=t)) for t in TOPICS[: args.topics]
+        chat(QUESTION_PROMPT.format(n=15, who="people", topic=t)) for t in TOPICS[: args.topics]
     ] * args.samples_per_topic
     questions: list[str] = []
     written = generate(model, asks, args.question_tokens, args.batch, eos, pad, sample=True)

@@ -1,9 +1,10 @@
 """Training draft heads (``drafters.heads``) on the target's own answers.
 
 Self-distillation, with no data from outside the model: the model writes questions on a list of
-topics, answers them (greedy, in its speed mode), and the chain of heads learns, from the final
-hidden state at one answer token and the tokens after it, the answer tokens 2, 3, ... places later.
-Spec-Bench's prompts are never used, so bench measures the heads on text they have not seen.
+topics, answers them (greedy, in its speed mode; ``selfspec.training.answers``), and the chain of
+heads learns, from the final hidden state at one answer token and the tokens after it, the answer
+tokens 2, 3, ... places later. Spec-Bench's prompts are never used, so bench measures the heads
+on text they have not seen.
 
     data  = answers_for(engine, work, questions, max_new, budget)  # saved as it goes: resumable
     rows  = features(engine, data["prompts"], data["answers"], heads)
@@ -17,13 +18,9 @@ The training arithmetic itself is ``selfspec.training.fit``'s, which the GPU scr
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,281 +28,16 @@ import torch
 
 from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads
 from selfspec.errors import SelfSpecError
-from selfspec.fileio import atomic_write_text
 from selfspec.loading.fetch import progress_bar
+from selfspec.runtime.sampling import Sampling
+from selfspec.training.answers import answered_pairs, answers_for, normed_states
 from selfspec.training.budget import Budget, past
 from selfspec.training.fit import fit_rows, frequent_ids
 from selfspec.training.history import History
-from selfspec.training.ranks import Ranks, prefix
+from selfspec.training.ranks import Ranks
 
 if TYPE_CHECKING:
     from selfspec.engine import Engine
-
-TOPICS = (
-    "cooking", "travel", "personal finance", "history", "physics", "biology", "chemistry",
-    "programming in Python", "JavaScript and web development", "databases and SQL",
-    "machine learning", "mathematics homework", "logic puzzles", "writing stories",
-    "writing emails", "poetry", "music", "health and fitness", "psychology", "philosophy",
-    "economics", "law", "geography", "astronomy", "language learning and translation",
-    "job interviews", "startups", "movies and books", "data analysis", "the Linux command line",
-    "algorithms", "everyday advice", "sports", "art", "parenting", "climate", "electronics",
-    "statistics", "role-play as a character", "summarizing articles", "C and C++ programming",
-    "debugging code", "shell scripting", "unit testing", "writing documentation", "ethics",
-    "gardening", "cars", "trivia and general knowledge", "explaining science to a child",
-    "world religions and mythology", "architecture", "nutrition", "pets", "video games",
-    "project management", "marketing", "public speaking", "spreadsheets", "networking and the "
-    "internet", "cybersecurity", "chess and board games", "fashion", "home repair",
-)  # fmt: skip
-QUESTION_PROMPT = (
-    "Write {n} different, specific questions or requests that people might send to an AI "
-    "assistant about {topic}. Vary their style and length. One per line, no numbering, "
-    "nothing else."
-)
-BATCH = 8  # answers written in one pass at a time (more rows cost about as much each)
-# Tasks over a text the model wrote itself (one of its answers): what users ask of a model about a
-# document (summaries, answers from a passage, extraction, translation, rewriting), whose answers
-# copy and transform their prompt in ways answers to short questions do not.
-TASKS = (
-    "Summarize the following text in a few sentences.\n\n{text}",
-    "Answer the question using only the text below.\n\nText:\n{text}\n\nQuestion: {question}",
-    "List the key facts, names and numbers in the text below as a bulleted list.\n\n{text}",
-    "Translate the following text into {language}.\n\n{text}",
-    "Rewrite the following text so that a twelve-year-old can understand it.\n\n{text}",
-    "Write three questions a reader could answer from the text below, each with its answer."
-    "\n\n{text}",
-)
-LANGUAGES = ("French", "German", "Spanish", "Chinese", "Japanese", "Russian", "Italian", "Korean")
-
-
-def generate_greedy(
-    engine: Engine,
-    prompts: list[list[int]],
-    max_new: int,
-    desc: str,
-    done: list[list[int]] | None = None,
-    save: Callable[[list[list[int]]], None] | None = None,
-    deadline: float | None = None,
-    budget: Budget | None = None,
-    states: dict | None = None,
-):
-    """Greedy answers, after the ``done`` ones (an earlier run's), in order, handed to ``save`` as
-    they come; none begins past ``deadline`` once there are two (one to train on, one held out),
-    so there may be fewer answers than prompts. Where the runner batches, up to ``BATCH`` answers
-    are written at once, a new one begun as soon as one ends; ``states`` gets their hidden states
-    as ``features`` would compute them (``keep_states``)."""
-    runner, eos = engine.runner, set(engine.eos_ids())
-    answers: list[list[int]] = list(done or [])
-    bar = progress_bar(len(prompts), desc, unit="answer")
-    bar.update(len(answers))
-    first, waiting, saved = len(answers), {}, len(answers)
-    todo = prompts[first:]
-
-    def may_begin(begun: int) -> bool:  # begun: of ``todo``
-        return not (past(deadline) and first + begun >= 2)
-
-    if runner.can_batch:
-        finished = _answer_stream(engine, todo, max_new, eos, states, may_begin)
-    else:
-        finished = (
-            (i, engine.generate(p, None, max_new_tokens=max_new).token_ids)
-            for i, p in enumerate(todo)
-            if may_begin(i)
-        )
-    for index, answer in finished:
-        waiting[first + index] = answer
-        while len(answers) in waiting:  # in the prompts' order
-            answers.append(waiting.pop(len(answers)))
-        if save and len(answers) >= saved + BATCH:
-            save(answers)
-            saved = len(answers)
-        if budget:
-            budget.show(bar)
-        bar.update()
-    if save and len(answers) > saved:
-        save(answers)
-    bar.close()
-    return answers
-
-
-@dataclass
-class _Answering:
-    """One answer being written: its cache, its tokens so far and their final hidden states."""
-
-    prompt: list[int]
-    cache: object
-    answer: list[int]
-    rows: list[torch.Tensor]
-
-    def ended(self, eos: set[int], max_new: int) -> bool:
-        return self.answer[-1] in eos or len(self.answer) >= max_new
-
-
-def _answer_stream(engine: Engine, prompts, max_new: int, eos: set[int], states, may_begin):
-    """(index, answer) of ``prompts``' greedy answers as each ends, ``BATCH`` of them written in
-    one pass at a time; prompt ``i`` begins while ``may_begin(i)``."""
-    runner = engine.runner
-    live: dict[int, _Answering] = {}
-    begun = 0
-    while True:
-        while len(live) < BATCH and begun < len(prompts) and may_begin(begun):
-            live[begun] = _begin_answer(runner, prompts[begun], max_new, states is not None)
-            begun += 1
-        for i in [i for i, a in live.items() if a.ended(eos, max_new)]:
-            done = live.pop(i)
-            if states is not None:
-                keep_states(states, done.prompt, done.answer, torch.cat(done.rows))
-            yield i, done.answer
-        if not live:
-            if begun == len(prompts) or not may_begin(begun):
-                return
-            continue
-        writing = list(live.values())
-        positions = [len(a.prompt) + len(a.answer) - 1 for a in writing]
-        logits = runner.forward_many(
-            [a.cache for a in writing], [a.answer[-1] for a in writing], positions
-        )
-        normed = _normed(runner, runner.last_rows_hidden) if states is not None else None
-        for row, a in enumerate(writing):
-            a.answer.append(int(logits[row].argmax()))
-            if normed is not None:
-                a.rows.append(normed[row : row + 1])
-
-
-def _begin_answer(runner, prompt: list[int], max_new: int, keep: bool) -> _Answering:
-    """The prompt's pass into a cache of its own: its answer's first token."""
-    cache = runner.new_cache(len(prompt) + max_new + 1)
-    with runner.using(cache):
-        logits, _ = runner.forward(torch.tensor(prompt), 0, last_logits_only=True)
-    rows = [_normed(runner, runner.last_hidden)] if keep else []
-    return _Answering(prompt, cache, [int(logits[-1].argmax())], rows)
-
-
-@torch.inference_mode()
-def _normed(runner, hidden: torch.Tensor) -> torch.Tensor:
-    """Final hidden states [rows, hidden] as the heads read them: normed, float16, on the CPU."""
-    return runner.adapter.final_norm(hidden).float().half().cpu()
-
-
-def keep_states(states: dict, prompt: list[int], answer: list[int], normed: torch.Tensor) -> None:
-    """Keep an answer's hidden states, from the one that produced its first token on ([len(answer)
-    or more, hidden], normed), for ``features``: those of the rows it trains on."""
-    states[tuple(prompt + answer)] = normed[: len(answer) - 1]
-
-
-def task_prompt(text: str, question: str, rng: random.Random) -> str:
-    """A task over ``text`` (an answer the model wrote to ``question``), chosen with ``rng``."""
-    task = rng.choice(TASKS)
-    if "{language}" in task:
-        text = "\n".join(text.splitlines()[:6])  # translations: a few lines, not a whole answer
-    return task.format(text=text.strip(), question=question, language=rng.choice(LANGUAGES))
-
-
-def task_texts(questions, answers, decode, rng: random.Random, count: int, min_tokens: int):
-    """Up to ``count`` task prompts (``task_prompt``, as text) over the answers (token ids, read
-    with ``decode``) of at least ``min_tokens`` tokens, each with the question it answered."""
-    return [
-        task_prompt(decode(a), q, rng) for q, a in zip(questions, answers) if len(a) >= min_tokens
-    ][:count]
-
-
-def write_questions(engine: Engine, per_topic: int, topics=TOPICS, ranks=Ranks()) -> list[str]:
-    prompts = [
-        engine.encode(QUESTION_PROMPT.format(n=per_topic, topic=t), chat=True) for t in topics
-    ]
-    questions: list[str] = []
-    for answer in answered(engine, ranks, prompts, 24 * per_topic + 32, "questions"):
-        add_questions(questions, engine.tokenizer.decode(answer, skip_special_tokens=True))
-    return questions
-
-
-def answered(engine, ranks: Ranks, prompts, max_new, desc, done=None, save=None, deadline=None,
-             budget=None, states=None) -> list[list[int]]:  # fmt: skip
-    """``generate_greedy`` over several processes: each answers every ``world``-th prompt, and
-    every process gets the answers of the prompts all answered, in order (saved once at the end:
-    a stopped run of several processes resumes from where the last stage it finished left).
-    ``states``: the hidden states of the answers this process wrote."""
-    if ranks.world == 1:
-        return generate_greedy(engine, prompts, max_new, desc, done, save, deadline, budget, states)
-    share = ranks.share(prompts)
-    done = list(done or [])
-    mine = [done[i] for i, _ in share if i < len(done)]
-    prompts = [p for _, p in share]
-    got = generate_greedy(engine, prompts, max_new, desc, mine, None, deadline, budget, states)
-    answers = prefix(ranks.gather(list(zip((i for i, _ in share), got))))
-    if save and ranks.main:
-        save(answers)
-    return answers
-
-
-def add_questions(questions: list[str], text: str) -> None:
-    """Adds the questions of a model-written list (one per line) not yet in ``questions``."""
-    for line in text.splitlines():
-        line = line.strip().lstrip("-*0123456789.) ").strip()
-        if len(line) > 15 and line not in questions:
-            questions.append(line)
-
-
-def answers_for(
-    engine: Engine,
-    work: Path,
-    questions: int,
-    max_new: int,
-    budget: Budget | None = None,
-    ranks: Ranks = Ranks(),
-    states: dict | None = None,
-) -> dict:
-    """The questions and the model's answers, then tasks over a quarter of those answers and the
-    model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them. Saved
-    after every group of answers; with a ``budget``, answers stop at 45% of it and tasks at 60%,
-    so that the hidden states and the fit get the rest. ``states`` gets the hidden states of the
-    answers written now (``generate_greedy``)."""
-    budget = budget or Budget(None)
-    path = work / "answers.json"
-    data = json.loads(path.read_text()) if ranks.main and path.is_file() else {}
-    data = ranks.broadcast(data)  # the main process's folder holds the answers
-    if (
-        data.get("max_new") != max_new
-        or data.get("asked_for", len(data.get("answers", ()))) < questions
-    ):
-        per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
-        topics = TOPICS[: -(-questions // per_topic) + 4]
-        asked = write_questions(engine, per_topic, topics, ranks)
-        random.Random(0).shuffle(asked)
-        asked = asked[:questions]
-        prompts = [engine.encode(q, chat=True) for q in asked]
-        data = {"questions": asked, "prompts": prompts, "answers": [], "max_new": max_new}
-        data["asked_for"] = questions
-        if ranks.main:
-            atomic_write_text(path, json.dumps(data))
-
-    def saver(key: str) -> Callable[[list[list[int]]], None]:
-        def save(answers: list[list[int]]) -> None:
-            data[key] = answers
-            atomic_write_text(path, json.dumps(data))
-
-        return save
-
-    data["answers"] = answered(
-        engine, ranks, data["prompts"], max_new, "answers", data.get("answers"),
-        saver("answers"), budget.until(0.45), budget, states,
-    )  # fmt: skip
-    if "task_prompts" not in data or len(data["task_prompts"]) < len(data["answers"]) // 4:
-        texts = task_texts(
-            data["questions"],
-            data["answers"],
-            partial(engine.tokenizer.decode, skip_special_tokens=True),
-            random.Random(0),
-            count=max(1, len(data["answers"]) // 4),
-            min_tokens=32,
-        )
-        data["task_prompts"] = [engine.encode(text, chat=True) for text in texts]
-        # a task list grown from more answers keeps its first tasks: same seed, same order
-        data["task_answers"] = data.get("task_answers", [])[: len(data["task_prompts"])]
-    data["task_answers"] = answered(
-        engine, ranks, data["task_prompts"], max_new, "tasks", data.get("task_answers"),
-        saver("task_answers"), budget.until(0.27), budget, states,
-    )  # fmt: skip
-    return data
 
 
 @torch.inference_mode()
@@ -327,7 +59,7 @@ def features(
     for prompt, answer in zip(prompts, answers):
         ids = prompt + answer
         rows = torch.arange(len(prompt) - 1, len(ids) - 2)
-        normed = states.get(tuple(ids))
+        normed = states.pop(tuple(ids), None)  # kept once: not held twice
         if normed is None and past(deadline) and sum(r is not None for r in out) >= 2:
             out.append(None)
             continue
@@ -336,7 +68,7 @@ def features(
             _, hidden = runner.forward(
                 torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
             )
-            normed = _normed(runner, hidden[0, rows])
+            normed = normed_states(runner, hidden[0, rows])
         out.append((normed, chain_tokens(ids, rows, heads)))
         bar.update()
     bar.close()
@@ -416,6 +148,8 @@ def fit(
     embed = embedding_table(engine)
     vocab = min(engine.runner.head_rows, len(embed))
     earlier = init.frequent if init is not None else None
+    if earlier is not None:
+        earlier = earlier[earlier < vocab]
     ids = frequent_ids(tokens[1], vocab, min(scored, vocab), earlier)
     trained = fit_rows(
         torch.cat([h for h, _ in train]),
@@ -457,8 +191,10 @@ def train_heads(
     history: History | None = None,
     start: DraftHeads | None = None,
     ranks: Ranks = Ranks(),
+    temperature: float = 0.0,
 ) -> DraftHeads:
-    """Answers (resumed from ``work``; or ``history``'s, what the model was used for), their
+    """Answers (resumed from ``work``, drawn at ``temperature``; or ``history``'s, what the
+    model was used for), their
     hidden states, the fit (from ``start``'s heads, if given), saved to ``out``; within ``budget``
     when given. ``measure``: time them on held-out prompts on this machine first (``heads_pay``;
     in ``info["decode_speedup"]``). ``ranks``: this process's share of the work of several
@@ -467,15 +203,22 @@ def train_heads(
     budget = budget or Budget(None)
     states: dict = {}  # the hidden states of the answers written now: computed once
     if history is None:
-        data = answers_for(engine, work, questions, max_new, budget, ranks, states)
+        sampling = Sampling(temperature=temperature)
+        data = answers_for(engine, work, questions, max_new, budget, ranks, states, sampling)
         pairs = answered_pairs(data)
+        # each process takes the answers it wrote (``answered``'s share): their states are kept
+        writers = [i % ranks.world for i in range(len(data["answers"]))]
+        writers += [i % ranks.world for i in range(len(data["task_answers"]))]
     else:
         pairs = history_pairs(engine, history)
-    random.Random(0).shuffle(pairs)  # tasks among the held-out answers too
+        writers = [i % ranks.world for i in range(len(pairs))]
+    order = list(range(len(pairs)))
+    random.Random(0).shuffle(order)  # tasks among the held-out answers too
+    pairs = [pairs[k] for k in order]
+    share = [(i, pairs[i]) for i, k in enumerate(order) if writers[k] == ranks.rank]
     # hidden states not kept while answering (a history's, a resumed run's) cost about what the
     # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
-    share = ranks.share(pairs)
     got = features(
         engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until, states
     )
@@ -489,6 +232,8 @@ def train_heads(
     )  # fmt: skip
     trained.info["seconds"] = round(time.time() - started)
     trained.info["processes"] = ranks.world
+    if history is None:
+        trained.info["temperature"] = temperature
     learned_from(trained, start, from_use=history is not None)
     if ranks.main:
         if measure:
@@ -497,14 +242,6 @@ def train_heads(
         trained.save(out)
     ranks.wait()
     return trained
-
-
-def answered_pairs(data: dict) -> list[tuple[list[int], list[int]]]:
-    """(prompt, answer) of every answer ``answers_for`` gathered (fewer than asked past a
-    budget)."""
-    answered = len(data["answers"]), len(data["task_answers"])
-    prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
-    return list(zip(prompts, data["answers"] + data["task_answers"]))
 
 
 def history_pairs(engine: Engine, history: History) -> list[tuple[list[int], list[int]]]:
