@@ -317,9 +317,10 @@ def test_answers_written_together_keep_the_hidden_states_a_pass_over_each_gives(
     assert len(prompts) > BATCH and min(lengths) < 40 == max(lengths)  # some ended sooner
     for prompt, answer in zip(prompts, answers):
         assert answer == engine.generate(prompt, None, max_new_tokens=40).token_ids
-    kept = features(engine, prompts, answers, heads=2, states=states)
-    read = features(engine, prompts, answers, heads=2)
     assert len(states) == len(prompts)
+    kept = features(engine, prompts, answers, heads=2, states=states)
+    assert not states  # handed over, not held twice
+    read = features(engine, prompts, answers, heads=2)
     for (kept_rows, kept_tokens), (read_rows, read_tokens) in zip(kept, read):
         assert kept_rows.shape[0] == kept_tokens.shape[1]
         assert torch.equal(kept_rows, read_rows) and torch.equal(kept_tokens, read_tokens)

@@ -55,7 +55,8 @@ def features(
     runner = engine.runner
     states = states or {}
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    bar = progress_bar(len(prompts), "hidden states", unit="answer")
+    to_read = sum(tuple(p + a) not in states for p, a in zip(prompts, answers))
+    bar = progress_bar(to_read, "hidden states", unit="answer")
     for prompt, answer in zip(prompts, answers):
         ids = prompt + answer
         rows = torch.arange(len(prompt) - 1, len(ids) - 2)
@@ -69,8 +70,8 @@ def features(
                 torch.tensor(ids), 0, capture_at=runner.num_sublayers, last_logits_only=True
             )
             normed = normed_states(runner, hidden[0, rows])
+            bar.update()
         out.append((normed, chain_tokens(ids, rows, heads)))
-        bar.update()
     bar.close()
     return out
 
