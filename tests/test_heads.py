@@ -324,3 +324,25 @@ def test_answers_written_together_keep_the_hidden_states_a_pass_over_each_gives(
     for (kept_rows, kept_tokens), (read_rows, read_tokens) in zip(kept, read):
         assert kept_rows.shape[0] == kept_tokens.shape[1]
         assert torch.equal(kept_rows, read_rows) and torch.equal(kept_tokens, read_tokens)
+
+
+def test_answers_drawn_at_a_temperature_are_the_same_whoever_writes_them(smollm2_q8, tmp_path):
+    """Drawn answers are seeded by their prompts: in another order (another process's share) each
+    prompt gets the same answer; they are not the greedy ones; and saved answers drawn at another
+    temperature are written again, not trained on."""
+    from selfspec.runtime.sampling import Sampling
+    from selfspec.training.answers import answers_for
+
+    engine = smollm2_q8
+    topics = ("cats", "the sea", "Rome", "rain", "jazz", "chess", "tea", "glass", "trees", "clouds")
+    prompts = [engine.encode(f"Tell me about {t}.", chat=True) for t in topics]
+    drawn = Sampling(temperature=0.8)
+    first = generate_answers(engine, prompts, 24, "a", sampling=drawn)
+    again = generate_answers(engine, prompts[::-1], 24, "b", sampling=drawn)[::-1]
+    assert first == again
+    assert first != generate_answers(engine, prompts, 24, "g")
+    greedy = answers_for(engine, tmp_path, questions=4, max_new=16)
+    assert "temperature" not in greedy  # greedy, as files written before the option
+    hot = answers_for(engine, tmp_path, questions=4, max_new=16, sampling=drawn)
+    assert hot["questions"] == greedy["questions"] and hot["temperature"] == 0.8
+    assert hot["answers"] != greedy["answers"]

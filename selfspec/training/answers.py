@@ -273,6 +273,21 @@ def add_questions(questions: list[str], text: str) -> None:
             questions.append(line)
 
 
+def new_questions(engine: Engine, questions: int, max_new: int, ranks: Ranks) -> dict:
+    """``answers_for``'s data with up to ``questions`` new questions the model wrote (shuffled)
+    and no answers yet."""
+    per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
+    topics = TOPICS[: -(-questions // per_topic) + 4]
+    asked = write_questions(engine, per_topic, topics, ranks)
+    random.Random(0).shuffle(asked)
+    asked = asked[:questions]
+    prompts = [engine.encode(q, chat=True) for q in asked]
+    return {
+        "questions": asked, "prompts": prompts, "answers": [], "max_new": max_new,
+        "asked_for": questions,
+    }  # fmt: skip
+
+
 def answers_for(
     engine: Engine,
     work: Path,
@@ -285,10 +300,10 @@ def answers_for(
 ) -> dict:
     """The questions and the model's answers, then tasks over a quarter of those answers and the
     model's answers to them (``TASKS``), from ``work`` as far as an earlier run saved them. Saved
-    after every group of answers; with a ``budget``, answers stop at 45% of it and tasks at 60%,
-    so that the hidden states and the fit get the rest. ``states`` gets the hidden states of the
-    answers written now (``generate_answers``); ``sampling``: how the answers are drawn (greedy by
-    default; saved answers drawn otherwise are written again)."""
+    as they come; with a ``budget``, answers stop at 45% of it and tasks at 60%, so that the fit
+    gets the rest. ``states`` gets the hidden states of the answers written now
+    (``generate_answers``); ``sampling``: how the answers are drawn (greedy by default; saved
+    answers drawn otherwise are written again)."""
     budget = budget or Budget(None)
     sampling = sampling or Sampling()
     path = work / "answers.json"
@@ -298,14 +313,7 @@ def answers_for(
         data.get("max_new") != max_new
         or data.get("asked_for", len(data.get("answers", ()))) < questions
     ):
-        per_topic = max(2, -(-questions // len(TOPICS)))  # a model may write fewer than asked
-        topics = TOPICS[: -(-questions // per_topic) + 4]
-        asked = write_questions(engine, per_topic, topics, ranks)
-        random.Random(0).shuffle(asked)
-        asked = asked[:questions]
-        prompts = [engine.encode(q, chat=True) for q in asked]
-        data = {"questions": asked, "prompts": prompts, "answers": [], "max_new": max_new}
-        data["asked_for"] = questions
+        data = new_questions(engine, questions, max_new, ranks)
         if ranks.main:
             atomic_write_text(path, json.dumps(data))
     if data.get("temperature", 0.0) != sampling.temperature:
@@ -349,3 +357,11 @@ def answered_pairs(data: dict) -> list[tuple[list[int], list[int]]]:
     answered = len(data["answers"]), len(data["task_answers"])
     prompts = data["prompts"][: answered[0]] + data["task_prompts"][: answered[1]]
     return list(zip(prompts, data["answers"] + data["task_answers"]))
+
+
+def answer_writers(data: dict, world: int) -> list[int]:
+    """The process of ``world`` that wrote each of ``answered_pairs(data)``'s answers (``answered``
+    gives process r every world-th prompt from r): it holds their hidden states."""
+    return [i % world for i in range(len(data["answers"]))] + [
+        i % world for i in range(len(data["task_answers"]))
+    ]

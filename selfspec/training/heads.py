@@ -30,7 +30,7 @@ from selfspec.drafters.heads import FREQUENT_IDS, DraftHeads
 from selfspec.errors import SelfSpecError
 from selfspec.loading.fetch import progress_bar
 from selfspec.runtime.sampling import Sampling
-from selfspec.training.answers import answered_pairs, answers_for, normed_states
+from selfspec.training.answers import answer_writers, answered_pairs, answers_for, normed_states
 from selfspec.training.budget import Budget, past
 from selfspec.training.fit import fit_rows, frequent_ids
 from selfspec.training.history import History
@@ -202,21 +202,16 @@ def train_heads(
     (``selfspec.training.ranks``); the main one measures and saves."""
     started = time.time()
     budget = budget or Budget(None)
+    sampling = Sampling(temperature=temperature)
+    sampling = Sampling() if sampling.greedy else sampling  # recorded as 0: how it is drawn
     states: dict = {}  # the hidden states of the answers written now: computed once
     if history is None:
-        sampling = Sampling(temperature=temperature)
         data = answers_for(engine, work, questions, max_new, budget, ranks, states, sampling)
-        pairs = answered_pairs(data)
-        # each process takes the answers it wrote (``answered``'s share): their states are kept
-        writers = [i % ranks.world for i in range(len(data["answers"]))]
-        writers += [i % ranks.world for i in range(len(data["task_answers"]))]
+        pairs, writers = answered_pairs(data), answer_writers(data, ranks.world)
     else:
         pairs = history_pairs(engine, history)
         writers = [i % ranks.world for i in range(len(pairs))]
-    order = list(range(len(pairs)))
-    random.Random(0).shuffle(order)  # tasks among the held-out answers too
-    pairs = [pairs[k] for k in order]
-    share = [(i, pairs[i]) for i, k in enumerate(order) if writers[k] == ranks.rank]
+    pairs, share = shuffled_share(pairs, writers, ranks.rank)
     # hidden states not kept while answering (a history's, a resumed run's) cost about what the
     # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
@@ -234,7 +229,7 @@ def train_heads(
     trained.info["seconds"] = round(time.time() - started)
     trained.info["processes"] = ranks.world
     if history is None:
-        trained.info["temperature"] = temperature
+        trained.info["temperature"] = sampling.temperature
     learned_from(trained, start, from_use=history is not None)
     if ranks.main:
         if measure:
@@ -243,6 +238,16 @@ def train_heads(
         trained.save(out)
     ranks.wait()
     return trained
+
+
+def shuffled_share(pairs: list, writers: list[int], rank: int) -> tuple[list, list]:
+    """``pairs`` shuffled (the same way in every process: tasks among the held-out answers too),
+    and (index, pair) of those process ``rank`` wrote (``writers``): it holds their states."""
+    order = list(range(len(pairs)))
+    random.Random(0).shuffle(order)
+    return [pairs[k] for k in order], [
+        (i, pairs[k]) for i, k in enumerate(order) if writers[k] == rank
+    ]
 
 
 def history_pairs(engine: Engine, history: History) -> list[tuple[list[int], list[int]]]:
