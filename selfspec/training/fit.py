@@ -100,19 +100,18 @@ def _places(tokens, place):
 
 
 def _train(
-    heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline=None,
-    ranks=Ranks(), place=None,
+    heads, hidden, tokens, rows, out, embed, epochs, batch, lr, soft, owner, deadline, ranks,
+    place,
 ) -> None:  # fmt: skip
     """``epochs`` passes over ``rows`` in batches, updating ``heads``' tensors in place, until
     ``deadline``. Each process of ``ranks`` takes its share of every batch; a loss is its rows'
-    sum over the whole batch's count, so the summed gradients are one process's."""
+    sum over the whole batch's count, so the summed gradients are one process's. ``place``:
+    ``row_places``' map from token ids to ``out``'s rows."""
     params = [*heads.weights, *heads.biases, *(heads.downs or []), *(heads.down_biases or [])]
     for t in params:
         t.requires_grad_()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
-    if place is None:
-        place = row_places(None, len(out), embed.shape[0], out.device)
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
     bar = progress_bar(steps, f"{len(tokens) - 1} chained heads", unit="batch")
