@@ -150,6 +150,7 @@ class Engine:
         heads: bool | str | DraftHeads = True,
         recycled: bool = True,
         trees: bool = False,
+        head_trees: bool = False,
     ) -> AdaptiveDrafter:
         """The default drafter: context n-gram drafts, draft heads (``heads``: the model's own if
         True, a file's, loaded ones, or none if False), recycled drafts (the model's own earlier
@@ -157,7 +158,8 @@ class Engine:
         the model's plan, if it has one) where they pay, chosen round by round from measured
         costs. ``layer_skip=False``: no layer-skip drafts; ``trees=True``: recycled drafts may
         branch where the loop verifies trees (kernel modes, greedy or sampled; measured not to
-        pay on the CPUs in docs/performance.md, hence off). Works without any plan or heads."""
+        pay on the CPUs in docs/performance.md, hence off); ``head_trees=True``: head drafts may
+        (likewise off). Elsewhere drafts stay chains. Works without any plan or heads."""
         skipper = None
         if layer_skip:
             plan = plan or self.default_plan()
@@ -165,7 +167,12 @@ class Engine:
         head_drafter = self._head_drafter(heads) if heads else None
         recycler = RecycledDrafts(self.runner, width=WIDTH if trees else 1) if recycled else None
         drafter = AdaptiveDrafter(
-            self.runner.head_rows, skipper, heads=head_drafter, recycled=recycler, trees=trees
+            self.runner.head_rows,
+            skipper,
+            heads=head_drafter,
+            recycled=recycler,
+            trees=trees,
+            head_trees=head_trees,
         )
         return_freed_memory()  # what building the drafters freed
         return drafter

@@ -194,6 +194,46 @@ CLI_ROWS = [
         "--temperature must be between 0 and 2",
     ),
     (
+        "train-heads no texts file",
+        lambda t: ["train-heads", *M, "--texts", str(t / "absent.jsonl")],
+        None,
+        "no texts file at",
+    ),
+    (
+        "train-heads texts not JSON",
+        lambda t: [
+            "train-heads",
+            *M,
+            "--texts",
+            _text_file(t / "t.jsonl", '{"text": "a b c"}\nhi\n'),
+        ],
+        None,
+        "line 2 is not JSON",
+    ),
+    (
+        "train-heads texts of no known shape",
+        lambda t: ["train-heads", *M, "--texts", _text_file(t / "t.jsonl", '{"question": "a"}\n')],
+        None,
+        "line 1 has none of the known shapes",
+    ),
+    (
+        "train-heads one text",
+        lambda t: [
+            "train-heads",
+            *M,
+            "--texts",
+            _text_file(t / "t.jsonl", '{"text": "a b c d"}\n'),
+        ],
+        None,
+        "1 usable text(s) in",
+    ),
+    (
+        "train-heads texts and history",
+        ["train-heads", *M, "--texts", "t.jsonl", "--from-history"],
+        None,
+        "--texts and --from-history are two sources",
+    ),
+    (
         "train-heads temperature from history",
         ["train-heads", *M, "--temperature", "0.7", "--from-history"],
         None,

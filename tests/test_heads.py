@@ -346,3 +346,40 @@ def test_answers_drawn_at_a_temperature_are_the_same_whoever_writes_them(smollm2
     hot = answers_for(engine, tmp_path, questions=4, max_new=16, sampling=drawn)
     assert hot["questions"] == greedy["questions"] and hot["temperature"] == 0.8
     assert hot["answers"] != greedy["answers"]
+
+
+def test_over_its_own_greedy_answers_the_models_tokens_are_the_answers(smollm2_q8):
+    """Over a text, the heads learn the model's own greedy token at each place (``--texts``):
+    over its own greedy answers those are the answers' tokens, every one."""
+    engine = smollm2_q8
+    prompts = [engine.encode(q, chat=True) for q in ("Tell me about owls.", "List three colours.")]
+    answers = [engine.generate(p, None, max_new_tokens=32).token_ids for p in prompts]
+    relabeled = features(engine, prompts, answers, heads=3, relabel=True)
+    read = features(engine, prompts, answers, heads=3)
+    for (rows, tokens), (rows_read, tokens_read) in zip(relabeled, read):
+        assert torch.equal(rows, rows_read) and torch.equal(tokens, tokens_read)
+
+
+def test_heads_trained_on_texts_learn_the_models_tokens_over_them(smollm2_q8, tmp_path):
+    """Another writer's texts: the first head learns, at every place, what the model says there
+    (one token generated from that place), and the heads say how many texts taught them."""
+    engine = smollm2_q8
+    topics = ("owls", "rain", "bread", "maps", "glass", "tea", "jazz", "chess")
+    texts = [
+        (engine.encode(f"Tell me about {t}.", chat=True),
+         engine.tokenizer(f"{t.title()} are a subject people like. Many books cover {t} well.",
+                          add_special_tokens=False)["input_ids"])
+        for t in topics
+    ]  # fmt: skip
+    (_, tokens), *_ = features(
+        engine, [p for p, _ in texts], [a for _, a in texts], 2, relabel=True
+    )
+    prompt, answer = texts[0]
+    for i in range(0, len(answer) - 1, 4):  # tokens[1][i]: after the prompt and answer[: i + 1]
+        context = prompt + answer[: i + 1]
+        said = engine.generate(context, None, max_new_tokens=1).token_ids[0]
+        assert int(tokens[1, i]) == said
+    assert any(int(t) != a for t, a in zip(tokens[1], answer[1:]))  # not the text's own tokens
+    out = tmp_path / "heads.safetensors"
+    heads = train_heads(engine, out, tmp_path / "work", heads=2, epochs=1, texts=texts)
+    assert heads.info["texts"] == len(texts) and out.is_file()

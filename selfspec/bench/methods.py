@@ -1,7 +1,7 @@
 """The benchmarked methods: each runs one greedy generation and reports its tokens and times.
 
-selfspec's own (autoregressive, self_speculative, ngram, recycled, recycled_trees, heads,
-layer_skip, dual_model) run through the Engine; transformers' (hf_generate, hf_assisted,
+selfspec's own (autoregressive, self_speculative, head_trees, ngram, recycled, recycled_trees,
+heads, layer_skip, dual_model) run through the Engine; transformers' (hf_generate, hf_assisted,
 prompt_lookup) on the model exactly as transformers builds it; llama_cpp (plain decoding of the
 same .gguf) through llama-cpp-python when it is installed; llama_server* (llama.cpp's server,
 plain and per speculation type) when it is built (`llama_server.py`).
@@ -219,6 +219,13 @@ def _setup_recycled_trees(ctx: BenchContext) -> None:
     ctx.state["recycled_trees"] = _self_drafter(ctx, layer_skip=False, heads=False, trees=True)
 
 
+def _setup_head_trees(ctx: BenchContext) -> None:
+    # the default drafter, its head drafts branching where the loop verifies trees
+    ctx.state["head_trees"] = _self_drafter(
+        ctx, ctx.plan, layer_skip=ctx.plan is not None, heads=ctx.heads, head_trees=True
+    )
+
+
 def _setup_heads(ctx: BenchContext) -> None:
     # context drafts and the model's draft heads, no layer-skip drafts
     ctx.state["heads"] = _self_drafter(ctx, layer_skip=False, heads=ctx.heads)
@@ -379,6 +386,7 @@ METHODS: dict[str, Method] = {
         Method("ngram", _drafter_run("ngram"), setup=_setup_ngram),
         Method("recycled", _drafter_run("recycled"), setup=_setup_recycled),
         Method("recycled_trees", _drafter_run("recycled_trees"), setup=_setup_recycled_trees),
+        Method("head_trees", _drafter_run("head_trees"), setup=_setup_head_trees),
         Method("heads", _drafter_run("heads"), setup=_setup_heads),
         Method("layer_skip", _drafter_run("layer_skip"), needs="plan", setup=_setup_layer_skip),
         Method("dual_model", _drafter_run("dual_model"), needs="draft", setup=_setup_dual_model),
@@ -391,7 +399,8 @@ METHODS: dict[str, Method] = {
     ]
 }
 # A bench without --methods runs these: llama.cpp's server only when asked for (one server each),
-# and recycled trees, which do not pay on the CPUs measured, too.
+# and token trees, which do not pay on the CPUs measured, too.
+TREE_METHODS = ("recycled_trees", "head_trees")
 ALL_METHODS = tuple(
-    m for m in METHODS if m not in llama_server.SPEC_TYPES and m != "recycled_trees"
+    m for m in METHODS if m not in llama_server.SPEC_TYPES and m not in TREE_METHODS
 )

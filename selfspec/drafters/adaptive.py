@@ -156,14 +156,17 @@ class AdaptiveDrafter(Drafter):
         heads: HeadDrafter | None = None,
         recycled: RecycledDrafts | None = None,
         trees: bool = False,
+        head_trees: bool = False,
     ):
         """``planned=False``: draft every context match in full, without weighing costs (tests).
-        ``trees=True``: recycled drafts may branch where the loop verifies trees."""
+        ``trees=True``: recycled drafts may branch where the loop verifies trees;
+        ``head_trees=True``: head drafts may."""
         super().__init__()
         self.vocab, self.layer_skip, self.max_tokens = vocab, layer_skip, max_tokens
         self.head_step = RecentMedian()  # a head draft's seconds / a plain step's
         self.use_heads(heads)
-        self.recycled, self.trees = recycled, trees
+        self.recycled, self.trees, self.head_trees = recycled, trees, head_trees
+        self._tree_chances: list[float] | None = None  # of the current round's head tree
         self.recycled_calibration = Calibration()  # recycled drafts' kept tokens / chances' sum
         self._recycled_chances: list[float] = []  # of the current round's recycled draft
         self.planned = planned
@@ -209,6 +212,7 @@ class AdaptiveDrafter(Drafter):
         super().begin(prompt_ids, max_len, settings)
         self.index.reset()
         self.ngram_cap = 1
+        self._tree_chances = None
         for acceptance in (self.skip, *self.ngram.values(), self.head_acceptance):
             if acceptance is not None:
                 acceptance.carry_over()
@@ -297,6 +301,8 @@ class AdaptiveDrafter(Drafter):
             return Draft()
         step = (self.head_step.value or 0.0) * self.costs.plain
         limit = min(limit, len(self.heads.heads))
+        if self.head_trees and request.tree_nodes:
+            return self._head_tree(request, limit, step)
         k = self._best_length(self.head_acceptance, limit, step)
         if k and self._rate(self.head_acceptance, k, step) < self._skip_rate(limit):
             k = 0
@@ -308,6 +314,27 @@ class AdaptiveDrafter(Drafter):
             )
         sub = DraftRequest(request.committed, limit, request.sampling, request.generator)
         return self.heads.draft(sub, self._head_worth(step))
+
+    def _head_tree(self, request: DraftRequest, limit: int, step: float) -> Draft:
+        """A tree of head guesses (``HeadDrafter.tree``), cut where verifying more of its nodes
+        stops paying: its head steps are spent by then, only its rows are left to weigh."""
+        nodes = min(request.tree_nodes, self.max_tokens)
+        sub = DraftRequest(request.committed, limit, request.sampling, request.generator, nodes)
+        draft = self.heads.tree(sub, self._head_worth(0.0) if self.planned else None)
+        chances = self.heads.last_chances
+        k = len(draft.tokens)
+        if self.planned and k:
+            gains = [self.head_calibration.value * c for c in chances]
+            k = most_tokens_per_second(gains, lambda n: self.costs.verify_cost(n + 1), 1.0)
+            tokens = 1.0 + sum(gains[:k])
+            seconds = self.costs.verify_cost(k + 1) + self.heads.last_steps * step
+            if k and tokens / seconds < self._skip_rate(limit):
+                k = 0
+            k = self._or_probe("heads", k)
+        self._tree_chances = chances[:k] if k else None
+        if draft.parents is None or draft.parents[:k] == list(range(-1, k - 1)):
+            return Draft(draft.tokens[:k], source=draft.source)
+        return Draft(draft.tokens[:k], source=draft.source, parents=draft.parents[:k])
 
     def _head_worth(self, step: float) -> Callable[[list[float]], bool]:
         """Whether a round's next head guess adds more tokens per second than it costs, from its
@@ -390,8 +417,12 @@ class AdaptiveDrafter(Drafter):
             if outcome.accepted:
                 self.ngram_cap = self.max_tokens  # the text repeats itself: as long as pays
         elif outcome.source == "heads":
-            self.head_acceptance.record(outcome.drafted, outcome.accepted)
-            self.head_calibration.record(sum(self.heads.last_chances), outcome.accepted)
+            chances = self.heads.last_chances
+            if self._tree_chances is not None:  # a tree's nodes are no chain's positions
+                chances, self._tree_chances = self._tree_chances, None
+            else:
+                self.head_acceptance.record(outcome.drafted, outcome.accepted)
+            self.head_calibration.record(sum(chances), outcome.accepted)
             if self.costs.plain:
                 steps = self.heads.last_steps  # guesses made, the one cut off included
                 seconds = outcome.draft_seconds * self.heads.guess_share  # without the setup

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters.head_tree import grow_tree
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
 from selfspec.kernels import PANEL, loaded_kernel
@@ -50,6 +51,7 @@ FORMAT_TWO_LAYERS = "selfspec-draft-heads/3"  # /2's tensors plus head.j.down.we
 # on, the 8192 most frequent cover 95% of a held-out half's tokens (16384: 98%); the guesses they
 # lose cost less than scoring twice the rows of the output head for every guess.
 FREQUENT_IDS = 8192
+TREE_WIDTH = 3  # children a tree node may have: the heads' likeliest next tokens
 _KEPT_INPUTS = 4096  # token inputs a drafter keeps (6 KB each at hidden size 1536)
 
 Product = Callable[[torch.Tensor], torch.Tensor]  # x -> W x + b (a head's layer)
@@ -343,6 +345,46 @@ class HeadDrafter(Drafter):
             if q is not None:
                 probs.append(q)
         return Draft(tokens, torch.stack(probs) if probs else None, source=self.name)
+
+    def tree(
+        self, request: DraftRequest, worth: Callable[[list[float]], bool] | None = None
+    ) -> Draft:
+        """Up to ``request.tree_nodes`` guesses as a token tree (``selfspec.drafters.head_tree``),
+        the likeliest first, proposed with certainty (greedy or sampled); ``last_chances`` holds
+        each node's chance of being kept, ``last_steps`` the head steps run. A tree that is a
+        chain comes back as one."""
+        began = time.perf_counter()
+        self.last_chances, self.last_steps, self._step_seconds = [], 0, 0.0
+        hidden = self._pending_row()
+        depth = min(request.max_tokens, len(self.heads))
+        if request.tree_nodes <= 0 or depth <= 0 or hidden is None:
+            self._draft_seconds = time.perf_counter() - began
+            return Draft()
+        self.vocab.follow(request.committed)
+        normed = self.runner.adapter.final_norm(hidden)
+        temperature = 1.0 if request.sampling.greedy else request.sampling.temperature
+        expand = partial(self._expand, dtype=normed.dtype, temperature=temperature)
+        tokens, parents, chances, steps = grow_tree(
+            expand, normed.float(), request.committed[-1], depth, request.tree_nodes, worth
+        )
+        self.last_chances, self.last_steps = chances, steps
+        self._draft_seconds = time.perf_counter() - began
+        if parents == list(range(-1, len(tokens) - 1)):
+            return Draft(tokens, source=self.name)
+        return Draft(tokens, source=self.name, parents=parents)
+
+    def _expand(
+        self, j: int, states: torch.Tensor, tokens: list[int], dtype: torch.dtype, temperature
+    ) -> tuple[torch.Tensor, list[list[int]], list[list[float]]]:
+        """Head j over ``states`` fed ``tokens`` (``head_tree.Expand``): the next states and each
+        row's ``TREE_WIDTH`` likeliest ids with their probabilities (at ``temperature``)."""
+        began = time.perf_counter()
+        inputs = torch.cat([self._token_input(t) for t in tokens])
+        states, logits = self._link(j, states, inputs, dtype)
+        probs, index = torch.softmax(logits / temperature, -1).topk(TREE_WIDTH, -1)
+        ids = [[self.vocab.id_at(i) for i in row] for row in index.tolist()]
+        self._step_seconds += time.perf_counter() - began
+        return states, ids, probs.tolist()
 
     def guess_many(
         self, hidden: torch.Tensor, tokens: list[int], steps: int, going_on: float = 0.0

@@ -1,5 +1,6 @@
 """`selfspec train-heads`: draft heads for a model, trained on its own answers (the model writes
-questions and answers them) or, with ``--from-history``, on what it was used for (``--learn``).
+questions and answers them), with ``--from-history`` on what it was used for (``--learn``), or
+with ``--texts`` on any texts (the model's own tokens over them).
 The training itself is ``selfspec.training.heads``'s. Under ``accelerate launch`` each process
 does a share of it (``selfspec.training.ranks``)."""
 
@@ -14,6 +15,7 @@ from selfspec.training.budget import Budget
 from selfspec.training.heads import train_heads
 from selfspec.training.history import History
 from selfspec.training.ranks import Ranks
+from selfspec.training.texts import text_pairs
 
 
 def add_arguments(parser) -> None:
@@ -24,7 +26,10 @@ def add_arguments(parser) -> None:
         "--questions", type=int, default=400, help="questions the model writes and answers (400)"
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=192, help="tokens per answer at most (192)"
+        "--max-new-tokens",
+        type=int,
+        default=192,
+        help="tokens per answer at most (192); with --texts, each text's answer is cut there",
     )
     parser.add_argument(
         "--temperature",
@@ -51,6 +56,22 @@ def add_arguments(parser) -> None:
         help="stop gathering answers and training in time to end within MINUTES; a rerun with "
         "the same --out resumes from the answers gathered (default: no limit)",
     )
+    add_sources(parser)
+    parser.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="skip timing the heads on held-out prompts at the end (about a minute)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="heads file to write (default: the user's heads for the model, which "
+        "`selfspec generate`, `bench` and `serve` then use)",
+    )
+
+
+def add_sources(parser) -> None:
+    """What to learn from besides the model's own answers."""
     parser.add_argument(
         "--from-history",
         nargs="?",
@@ -62,20 +83,17 @@ def add_arguments(parser) -> None:
         "writes, starting from the heads it has",
     )
     parser.add_argument(
+        "--texts",
+        default=None,
+        metavar="FILE",
+        help='train on texts the model did not write (JSONL: {"prompt", "answer"}, '
+        '{"messages"} or {"text"} per line): the heads learn what the model would say over '
+        "them; starts from the heads it has",
+    )
+    parser.add_argument(
         "--fresh",
         action="store_true",
-        help="with --from-history: start from zeros, not from the model's current heads",
-    )
-    parser.add_argument(
-        "--no-measure",
-        action="store_true",
-        help="skip timing the heads on held-out prompts at the end (about a minute)",
-    )
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="heads file to write (default: the user's heads for the model, which "
-        "`selfspec generate`, `bench` and `serve` then use)",
+        help="with --from-history or --texts: start from zeros, not from the model's current heads",
     )
 
 
@@ -94,12 +112,18 @@ def run(args) -> int:
         raise SelfSpecError(f"--budget must be a positive number of minutes, not {args.budget}")
     if not 0 <= args.temperature <= 2:
         raise SelfSpecError(f"--temperature must be between 0 and 2, not {args.temperature}")
-    if args.temperature and args.from_history is not None:
-        raise SelfSpecError("--temperature is for answers train-heads writes, not --from-history")
+    if args.temperature and (args.from_history is not None or args.texts):
+        raise SelfSpecError(
+            "--temperature is for answers train-heads writes, not --from-history or --texts"
+        )
+    if args.texts and args.from_history is not None:
+        raise SelfSpecError("--texts and --from-history are two sources: give one of them")
     if not 0 <= args.soft <= 1:
         raise SelfSpecError(f"--soft must be between 0 and 1, not {args.soft}")
-    if args.fresh and args.from_history is None:
-        raise SelfSpecError("--fresh goes with --from-history (other training starts from zeros)")
+    if args.fresh and args.from_history is None and not args.texts:
+        raise SelfSpecError(
+            "--fresh goes with --from-history or --texts (other training starts from zeros)"
+        )
     ranks = Ranks.current()  # several under `accelerate launch`
     if not ranks.main:
         os.environ["SELFSPEC_NO_PROGRESS"] = "1"  # one process's bars are enough
@@ -113,13 +137,15 @@ def run(args) -> int:
             f"no history for {engine.loaded.name} at {history.path}: use the model with --learn "
             "(selfspec generate or serve) first"
         )
-    start = None if args.fresh or history is None else starting_heads(engine, args)
+    texts = text_pairs(engine, Path(args.texts), args.max_new_tokens) if args.texts else None
+    continues = history is not None or texts is not None
+    start = starting_heads(engine, args) if continues and not args.fresh else None
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.key)
     work = out.parent / f".{out.name}.work"  # the answers, kept so a stopped run resumes there
     heads = train_heads(
         engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
         args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
-        history=history, start=start, ranks=ranks, temperature=args.temperature,
+        history=history, start=start, ranks=ranks, temperature=args.temperature, texts=texts,
     )  # fmt: skip
     if ranks.main:
         print(report(out, heads))

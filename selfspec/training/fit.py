@@ -114,6 +114,9 @@ def _train(
     links = heads.steps()  # over the parameters themselves, which the optimizer updates in place
     steps = epochs * -(-len(rows) // batch)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - 0.9 * step / steps)
+    # per head and row: a token to guess (a text's chain ends where the text leaves the model's
+    # path: ``training.heads.model_chain_tokens``)
+    guessing = (tokens[1:] >= 0).to(out.device)
     bar = progress_bar(steps, f"{len(tokens) - 1} chained heads", unit="batch")
     for _ in range(epochs):
         order = rows[torch.randperm(len(rows), device=rows.device)]
@@ -128,8 +131,9 @@ def _train(
             for j, (logits, target) in enumerate(chain):
                 loss = _hard_loss(logits, target, _guessable(tokens[j + 1, whole], place))
                 if soft > 0:
-                    count = int(_same_answer(whole, j, owner, len(hidden)).sum())
-                    soft_part = soft_loss(logits, hidden, owner, i, j, out, count)
+                    has = guessing[j]
+                    count = int((_same_answer(whole, j, owner, len(hidden)) & has[whole]).sum())
+                    soft_part = soft_loss(logits, hidden, owner, i, j, out, count, has[i])
                     loss = (1 - soft) * loss + soft * soft_part
                 losses.append(loss)
             opt.zero_grad()
@@ -183,11 +187,14 @@ def _same_answer(rows, j, owner, total: int):
     return (owner[later] == owner[rows]) & (rows + 1 + j < total)
 
 
-def soft_loss(logits, hidden, owner, rows, j, out, count: int | None = None):
+def soft_loss(logits, hidden, owner, rows, j, out, count: int | None = None, has=None):
     """Cross-entropy against the model's distribution over ``out``'s ids at the rows (of
-    ``hidden``) that produced head j's tokens, where that row belongs to the same answer; summed
-    over ``count`` (default: the mean over those rows)."""
+    ``hidden``) that produced head j's tokens, where that row belongs to the same answer (and
+    ``has``, per row, where given: head j has a token to guess); summed over ``count`` (default:
+    the mean over those rows)."""
     same = _same_answer(rows, j, owner, len(hidden))
+    if has is not None:
+        same = same & has
     if not bool(same.any()):
         return logits.sum() * 0
     later = (rows + 1 + j)[same]

@@ -48,19 +48,23 @@ def features(
     heads: int,
     deadline: float | None = None,
     states: dict | None = None,
+    relabel: bool = False,
 ):
     """Per answer: final hidden states (normed) of its rows [n, hidden] and ``chain_tokens``;
     those kept in ``states`` while answering are not computed again; None for the others past
-    ``deadline`` once there are two."""
+    ``deadline`` once there are two. ``relabel``: the answers are texts the model did not write
+    (``selfspec.training.texts``): the heads are to guess the model's own tokens over them
+    (``model_chain_tokens``)."""
     runner = engine.runner
     states = states or {}
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    to_read = sum(tuple(p + a) not in states for p, a in zip(prompts, answers))
+    to_read = sum(relabel or tuple(p + a) not in states for p, a in zip(prompts, answers))
     bar = progress_bar(to_read, "hidden states", unit="answer")
     for prompt, answer in zip(prompts, answers):
         ids = prompt + answer
         rows = torch.arange(len(prompt) - 1, len(ids) - 2)
-        normed = states.pop(tuple(ids), None)  # kept once: not held twice
+        # kept once: not held twice (never for texts: their rows' predictions need the pass)
+        normed = None if relabel else states.pop(tuple(ids), None)
         if normed is None and past(deadline) and sum(r is not None for r in out) >= 2:
             out.append(None)
             continue
@@ -71,7 +75,11 @@ def features(
             )
             normed = normed_states(runner, hidden[0, rows])
             bar.update()
-        out.append((normed, chain_tokens(ids, rows, heads)))
+        if relabel:
+            tokens = model_chain_tokens(ids, rows, heads, predictions(runner, hidden, len(prompt)))
+        else:
+            tokens = chain_tokens(ids, rows, heads)
+        out.append((normed, tokens))
     bar.close()
     return out
 
@@ -81,6 +89,34 @@ def chain_tokens(ids: list[int], rows: torch.Tensor, heads: int) -> torch.Tensor
     token the chain starts from, then the one each head should guess (-1 past the end)."""
     tokens = torch.tensor(ids + [-1] * heads)
     return torch.stack([tokens[rows + 1 + j] for j in range(heads + 1)])
+
+
+def predictions(runner, hidden: torch.Tensor, first: int, chunk: int = 256) -> torch.Tensor:
+    """[n]: the model's greedy token after each row of ``hidden`` [1, n, hidden] (the last
+    sublayer's output) from row ``first`` on (-1 before it), over the whole vocabulary."""
+    picked = torch.full((hidden.shape[1],), -1, dtype=torch.long)
+    for start in range(first, hidden.shape[1], chunk):
+        logits = runner.adapter.logits(hidden[:, start : start + chunk])[0]
+        picked[start : start + len(logits)] = logits.argmax(-1).cpu()
+    return picked
+
+
+def model_chain_tokens(
+    ids: list[int], rows: torch.Tensor, heads: int, predicted: torch.Tensor
+) -> torch.Tensor:
+    """``chain_tokens`` for a text the model did not write, with the model's own tokens to guess:
+    head j's at row i is ``predicted[i + 1 + j]`` (what the model says after the text up to token
+    i + 1 + j), fed the text's tokens; kept while the text says what the model would along the
+    chain (a head is fed the guesses before it, so a text that leaves the model's path is no chain
+    a draft meets), else -1."""
+    tokens = chain_tokens(ids, rows, heads)
+    relabeled, agree = [tokens[0]], torch.ones(len(rows), dtype=torch.bool)
+    for j in range(heads):
+        target = predicted[(rows + 1 + j).clamp(max=len(predicted) - 1)]
+        valid = agree & (tokens[j + 1] >= 0) & (target >= 0)
+        relabeled.append(torch.where(valid, target, -1))
+        agree = valid & (tokens[j + 1] == target)
+    return torch.stack(relabeled)
 
 
 def embedding_table(engine: Engine, chunk: int = 4096) -> torch.Tensor:
@@ -193,31 +229,33 @@ def train_heads(
     start: DraftHeads | None = None,
     ranks: Ranks = Ranks(),
     temperature: float = 0.0,
+    texts: list[tuple[list[int], list[int]]] | None = None,
 ) -> DraftHeads:
     """Answers (resumed from ``work``, drawn at ``temperature``; or ``history``'s, what the
-    model was used for), their
-    hidden states, the fit (from ``start``'s heads, if given), saved to ``out``; within ``budget``
-    when given. ``measure``: time them on held-out prompts on this machine first (``heads_pay``;
-    in ``info["decode_speedup"]``). ``ranks``: this process's share of the work of several
-    (``selfspec.training.ranks``); the main one measures and saves."""
+    model was used for; or ``texts``, (prompt, answer) ids the model did not write, over which the
+    heads learn its own tokens), their hidden states, the fit (from ``start``'s heads, if given),
+    saved to ``out``; within ``budget`` when given. ``measure``: time them on held-out prompts on
+    this machine first (``heads_pay``; in ``info["decode_speedup"]``). ``ranks``: this process's
+    share of the work of several (``selfspec.training.ranks``); the main one measures and saves."""
     started = time.time()
     budget = budget or Budget(None)
     sampling = Sampling(temperature=temperature)
     sampling = Sampling() if sampling.greedy else sampling  # recorded as 0: how it is drawn
     states: dict = {}  # the hidden states of the answers written now: computed once
-    if history is None:
+    if texts is None and history is None:
         data = answers_for(engine, work, questions, max_new, budget, ranks, states, sampling)
         pairs, writers = answered_pairs(data), answer_writers(data, ranks.world)
     else:
-        pairs = history_pairs(engine, history)
+        pairs = texts if texts is not None else history_pairs(engine, history)
         writers = [i % ranks.world for i in range(len(pairs))]
     pairs, share = shuffled_share(pairs, writers, ranks.rank)
     # hidden states not kept while answering (a history's, a resumed run's) cost about what the
     # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
     got = features(
-        engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until, states
-    )
+        engine, [p for _, (p, _) in share], [a for _, (_, a) in share], heads, until, states,
+        relabel=texts is not None,
+    )  # fmt: skip
     # a process may stop sooner
     kept = ranks.gather([(i, rows) for (i, _), rows in zip(share, got) if rows is not None])
     pairs, rows = [pairs[i] for i, _ in kept], [r for _, r in kept]
@@ -228,16 +266,24 @@ def train_heads(
     )  # fmt: skip
     trained.info["seconds"] = round(time.time() - started)
     trained.info["processes"] = ranks.world
-    if history is None:
+    if texts is not None:
+        trained.info["texts"] = len(pairs)
+    elif history is None:
         trained.info["temperature"] = sampling.temperature
     learned_from(trained, start, from_use=history is not None)
     if ranks.main:
         if measure:
-            heldout = [p for p, _ in pairs[held_out_from(len(rows)) :]][:4]
+            heldout = [timing_prompt(p, a) for p, a in pairs[held_out_from(len(rows)) :]][:4]
             trained.info["decode_speedup"] = heads_pay(engine, trained, heldout, before=start)
         trained.save(out)
     ranks.wait()
     return trained
+
+
+def timing_prompt(prompt: list[int], answer: list[int]) -> list[int]:
+    """A held-out pair's prompt to time heads from: a plain text's (its first token) with the
+    first half of the text."""
+    return prompt if len(prompt) > 1 else prompt + answer[: len(answer) // 2]
 
 
 def shuffled_share(pairs: list, writers: list[int], rank: int) -> tuple[list, list]:

@@ -1,0 +1,110 @@
+"""Texts draft heads can learn from besides the model's own answers (``selfspec train-heads
+--texts FILE``): conversations, prompts with answers, or plain text, one JSON object a line.
+
+    {"prompt": "How do I ...?", "answer": "You can ..."}
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"text": "Any text at all ..."}
+
+Over a text someone else wrote, the heads learn what this model would say at each place (its
+greedy token after the text so far: ``selfspec.training.heads.model_chain_tokens``), never the
+text's own next token, so any text teaches them this model. It costs one pass over the text,
+less than the model's writing as many tokens itself, and the texts can be what users send: their
+chats, their documents, another model's answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from selfspec.errors import SelfSpecError
+from selfspec.training.history import PROMPT_TAIL  # a prompt's last ids: as use is recorded
+
+if TYPE_CHECKING:
+    from selfspec.engine import Engine
+
+SHAPES = (
+    'each line should be one JSON object: {"prompt": ..., "answer": ...}, {"messages": [...]} '
+    'ending with the assistant\'s message, or {"text": ...}'
+)
+
+
+def text_pairs(engine: Engine, path: Path, max_answer: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of every text in the JSONL file ``path``, the answer cut at
+    ``max_answer`` tokens and the prompt to its last ``PROMPT_TAIL``; prompts go through the
+    model's chat template (plain text: its first token is the prompt)."""
+    if not path.is_file():
+        raise SelfSpecError(f"no texts file at {path}: give a JSONL file ({SHAPES})")
+    pairs = []
+    with path.open(encoding="utf-8-sig", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                raise SelfSpecError(f"{path} line {number} is not JSON: {SHAPES}") from None
+            try:
+                pair = _pair(engine, item)
+            except Exception as e:  # the chat template's own errors (jinja's, transformers')
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise SelfSpecError(
+                    f"{path} line {number}: {engine.loaded.name}'s chat template cannot read it "
+                    f'({first}); give it as {{"text": ...}}'
+                ) from None
+            if pair is None:
+                raise SelfSpecError(f"{path} line {number} has none of the known shapes: {SHAPES}")
+            prompt, answer = pair[0][-PROMPT_TAIL:], pair[1][:max_answer]
+            if prompt and len(answer) >= 2:
+                pairs.append((prompt, answer))
+    if len(pairs) < 2:
+        raise SelfSpecError(
+            f"{len(pairs)} usable text(s) in {path}: train-heads needs at least two with an "
+            "answer of two or more tokens"
+        )
+    return pairs
+
+
+def _pair(engine: Engine, item) -> tuple[list[int], list[int]] | None:
+    if not isinstance(item, dict):
+        return None
+    prompt, answer, messages = item.get("prompt"), item.get("answer"), item.get("messages")
+    if isinstance(prompt, str) and isinstance(answer, str):
+        return _chat(engine, [{"role": "user", "content": prompt}]), _tokens(engine, answer)
+    if _is_conversation(messages):
+        return _chat(engine, messages[:-1]), _tokens(engine, messages[-1]["content"])
+    text = item.get("text")
+    if isinstance(text, str):
+        ids = engine.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return ids[:1], ids[1:]
+    return None
+
+
+def _is_conversation(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and len(messages) >= 2
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        and messages[-1]["role"] == "assistant"
+    )
+
+
+def _chat(engine: Engine, messages: list[dict]) -> list[int]:
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise ValueError("it has none")
+    return engine.encode_messages(messages)
+
+
+def _tokens(engine: Engine, text: str) -> list[int]:
+    """An answer's tokens as the model writes them: its text, then the end of its turn (the
+    tokenizer's end token; where a model ends its turns with another, the heads' chains over the
+    text stop there, as the text leaves the model's path)."""
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = engine.tokenizer.eos_token_id
+    return ids + ([eos] if eos is not None and ids else [])

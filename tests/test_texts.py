@@ -1,0 +1,67 @@
+"""Draft heads trained on texts the model did not write (``train-heads --texts``): over a text the
+heads learn the model's own tokens, never the text's, and every shape of line reads as meant."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from selfspec.errors import SelfSpecError
+from selfspec.training.heads import chain_tokens, model_chain_tokens
+from selfspec.training.texts import text_pairs
+
+
+def test_over_a_text_the_heads_guess_the_models_tokens_while_the_text_follows_them():
+    # prompt 10 11, then the text 20..24; predicted[r]: the model's token after ids[:r + 1]
+    ids = [10, 11, 20, 21, 22, 23, 24]
+    rows = torch.arange(1, len(ids) - 2)  # row i made token i + 1: 20, 21, 22, 23
+    predicted = torch.tensor([-1, -1, 21, 99, 23, 24, 7])  # it would not say 22 after 21
+    tokens = model_chain_tokens(ids, rows, 2, predicted)
+    assert tokens[0].tolist() == [20, 21, 22, 23]  # fed the text's tokens
+    assert tokens[1].tolist() == [21, 99, 23, 24]  # the first head: the model's, everywhere
+    # the second head only where the text said what the model would before it (and has a token)
+    assert tokens[2].tolist() == [99, -1, 24, -1]
+
+
+def test_over_the_models_own_greedy_text_the_tokens_are_the_texts():
+    ids = [10, 11, 20, 21, 22, 23, 24]
+    rows = torch.arange(1, len(ids) - 2)
+    predicted = torch.tensor([-1, -1, 21, 22, 23, 24, 2])
+    assert torch.equal(model_chain_tokens(ids, rows, 3, predicted), chain_tokens(ids, rows, 3))
+
+
+def test_every_shape_of_line_reads_as_a_prompt_and_its_answer(smollm2, tmp_path):
+    engine = smollm2
+    lines = [
+        {"prompt": "Name a fruit.", "answer": "An apple, say."},
+        {"messages": [
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue is one."},
+        ]},
+        {"text": "Once upon a time there was a cat."},
+    ]  # fmt: skip
+    path = tmp_path / "texts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + json.dumps(lines[2]))
+    (p1, a1), (p2, a2), (p3, a3) = text_pairs(engine, path, max_answer=64)
+    eos = engine.tokenizer.eos_token_id
+    assert p1 == engine.encode("Name a fruit.", chat=True)
+    assert engine.tokenizer.decode(a1[:-1]) == "An apple, say." and a1[-1] == eos
+    assert p2 == engine.encode_messages(lines[1]["messages"][:3])
+    assert engine.tokenizer.decode(a2[:-1]) == "Blue is one."
+    assert p3 + a3 == engine.tokenizer("Once upon a time there was a cat.")["input_ids"]
+    assert len(p3) == 1
+    assert [len(a) for _, a in text_pairs(engine, path, max_answer=3)] == [3, 3, 3]
+
+
+def test_a_chat_line_for_a_model_without_a_chat_template_is_a_one_line_error(tiny_llama, tmp_path):
+    path = tmp_path / "texts.jsonl"
+    path.write_text(json.dumps({"prompt": "t1 t2", "answer": "t3 t4 t5"}) + "\n")
+    with pytest.raises(SelfSpecError, match=r"line 1: .*chat template cannot read it") as caught:
+        text_pairs(tiny_llama, path, max_answer=8)
+    assert "\n" not in str(caught.value) and '{"text": ...}' in str(caught.value)
+    path.write_text("\n".join(json.dumps({"text": f"t{i} t5 t6 t7"}) for i in range(3)))
+    assert len(text_pairs(tiny_llama, path, max_answer=8)) == 3  # plain text needs no template
