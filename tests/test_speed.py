@@ -141,7 +141,8 @@ def test_bench_gives_transformers_methods_the_unmodified_model(smollm2_packed):
 def test_row_attention_matches_torch_sdpa_and_rows_stand_alone(causal, dim):
     """Kernel modes compute attention one query row at a time: close to torch's SDPA (grouped
     heads, bool and float masks, no mask), and a row's bits do not depend on the other rows.
-    37 keys: two blocks of 16 and a tail; head sizes with and without the register paths."""
+    37 keys: two blocks of 16 (four of 8 on AVX2) and a tail; head sizes with and without the
+    register paths."""
     kernel = load_kernel()
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 6, 5, dim, generator=gen)

@@ -69,6 +69,40 @@ inline __m512 dot_rows16(const float* q, const float* k, int64_t k_stride, int64
   for (int i = 0; i < 16; ++i) total = _mm512_add_ps(total, acc[i]);
   return total;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// r[i] becomes column i of the 8 x 8 matrix whose rows were r.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+
+// dot_rows16's AVX2 counterpart: dot_row(q, k_j, D) for the 8 keys j0..j0+7, each with dot_row's
+// bits (the same fused multiply-adds per lane, then the lanes added one after another from zero).
+inline __m256 dot_rows8(const float* q, const float* k, int64_t k_stride, int64_t D) {
+  __m256 acc[8];
+  for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + jj * k_stride + d), acc[jj]);
+  }
+  transpose8(acc);
+  __m256 total = _mm256_setzero_ps();
+  for (int i = 0; i < 8; ++i) total = _mm256_add_ps(total, acc[i]);
+  return total;
+}
 #endif
 
 // Attention for several query rows that share one key-value head (the grouped query heads of a
@@ -88,7 +122,7 @@ inline void score_keys(const QueryRow* rows, int64_t n, const float* k, int64_t 
                        float* scores, int64_t stride) {
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) longest = std::max(longest, rows[i].len);
-  bool blocks = false;  // whether the keys before len / 16 * 16 came 16 at a time
+  bool blocks = false;  // whether the keys before len / kVec * kVec came kVec at a time
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
     blocks = true;
@@ -98,9 +132,18 @@ inline void score_keys(const QueryRow* rows, int64_t n, const float* k, int64_t 
           _mm512_storeu_ps(scores + i * stride + j0,
                            _mm512_mul_ps(dot_rows16(rows[i].q, k + j0 * k_stride, k_stride, D), _mm512_set1_ps(scale)));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    blocks = true;
+    for (int64_t j0 = 0; j0 + 8 <= longest; j0 += 8)
+      for (int64_t i = 0; i < n; ++i)
+        if (j0 + 8 <= rows[i].len)
+          _mm256_storeu_ps(scores + i * stride + j0,
+                           _mm256_mul_ps(dot_rows8(rows[i].q, k + j0 * k_stride, k_stride, D), _mm256_set1_ps(scale)));
+  }
 #endif
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = blocks ? rows[i].len / 16 * 16 : 0; j < rows[i].len; ++j)
+    for (int64_t j = blocks ? rows[i].len / kVec * kVec : 0; j < rows[i].len; ++j)
       scores[i * stride + j] = dot_row(rows[i].q, k + j * k_stride, D) * scale;
 }
 
