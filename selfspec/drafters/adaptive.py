@@ -20,6 +20,7 @@ from selfspec.drafters.base import (
     DraftRequest,
     DraftSettings,
     RoundOutcome,
+    tree_draft,
 )
 from selfspec.drafters.ngram import MIN_NGRAM, ContextIndex
 from selfspec.drafters.pass_costs import PassCosts, RecentMedian
@@ -289,10 +290,8 @@ class AdaptiveDrafter(Drafter):
             k = self._or_probe("recycled", k)
         if not k:
             return Draft()
-        tokens, self._recycled_chances = tokens[:k], chances[:k]
-        if parents is not None and parents[:k] != list(range(-1, k - 1)):
-            return Draft(tokens, source="recycled", parents=parents[:k])
-        return Draft(tokens, source="recycled")  # certain: q = 1 on each token
+        self._recycled_chances = chances[:k]
+        return tree_draft(tokens[:k], None if parents is None else parents[:k], "recycled")
 
     def _head_draft(self, request: DraftRequest, limit: int) -> Draft:
         """Draft-head tokens when their expected tokens per second beat a plain step's and the
@@ -332,9 +331,8 @@ class AdaptiveDrafter(Drafter):
                 k = 0
             k = self._or_probe("heads", k)
         self._tree_chances = chances[:k] if k else None
-        if draft.parents is None or draft.parents[:k] == list(range(-1, k - 1)):
-            return Draft(draft.tokens[:k], source=draft.source)
-        return Draft(draft.tokens[:k], source=draft.source, parents=draft.parents[:k])
+        cut = None if draft.parents is None else draft.parents[:k]
+        return tree_draft(draft.tokens[:k], cut, draft.source)
 
     def _head_worth(self, step: float) -> Callable[[list[float]], bool]:
         """Whether a round's next head guess adds more tokens per second than it costs, from its

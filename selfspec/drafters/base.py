@@ -123,6 +123,14 @@ class Drafter:
         return {}
 
 
+def tree_draft(tokens: list[int], parents: list[int] | None, source: str) -> Draft:
+    """A draft of ``tokens`` proposed with certainty: a tree where ``parents`` branch, else a
+    chain (a tree that does not branch is verified as the chain it is)."""
+    if parents is None or parents == list(range(-1, len(tokens) - 1)):
+        return Draft(tokens, source=source)
+    return Draft(tokens, source=source, parents=parents)
+
+
 def point_masses(tokens: list[int], vocab: int) -> torch.Tensor:
     """q for tokens proposed with certainty (copied, not sampled): one-hot rows [len, vocab]."""
     probs = torch.zeros(len(tokens), vocab)

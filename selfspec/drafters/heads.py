@@ -33,7 +33,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from selfspec.drafters.base import Draft, Drafter, DraftRequest, DraftSettings, RoundOutcome
+from selfspec.drafters.base import (
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftSettings,
+    RoundOutcome,
+    tree_draft,
+)
 from selfspec.drafters.head_tree import grow_tree
 from selfspec.errors import SelfSpecError
 from selfspec.fileio import atomic_write_bytes
@@ -369,9 +376,7 @@ class HeadDrafter(Drafter):
         )
         self.last_chances, self.last_steps = chances, steps
         self._draft_seconds = time.perf_counter() - began
-        if parents == list(range(-1, len(tokens) - 1)):
-            return Draft(tokens, source=self.name)
-        return Draft(tokens, source=self.name, parents=parents)
+        return tree_draft(tokens, parents, self.name)
 
     def _expand(
         self, j: int, states: torch.Tensor, tokens: list[int], dtype: torch.dtype, temperature

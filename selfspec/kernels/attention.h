@@ -31,7 +31,7 @@ inline float dot_row(const float* a, const float* b, int64_t D) {
 
 #if defined(__AVX512F__)
 // r[i] becomes column i of the 16 x 16 matrix whose rows were r.
-inline void transpose16(__m512 (&r)[16]) {
+inline void transpose(vec (&r)[kVec]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -53,25 +53,9 @@ inline void transpose16(__m512 (&r)[16]) {
     r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
   }
 }
-
-// dot_row(q, k_j, D) for the 16 keys j0..j0+15, each with dot_row's bits: the same fused
-// multiply-adds per lane, then the lanes added one after another from zero, here for 16 keys at
-// once (lane jj of the column sums is key jj's sequence of additions).
-inline __m512 dot_rows16(const float* q, const float* k, int64_t k_stride, int64_t D) {
-  __m512 acc[16];
-  for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __m512 qd = _mm512_loadu_ps(q + d);
-    for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + jj * k_stride + d), acc[jj]);
-  }
-  transpose16(acc);
-  __m512 total = _mm512_setzero_ps();
-  for (int i = 0; i < 16; ++i) total = _mm512_add_ps(total, acc[i]);
-  return total;
-}
-#elif defined(__AVX2__) && defined(__FMA__)
+#else
 // r[i] becomes column i of the 8 x 8 matrix whose rows were r.
-inline void transpose8(__m256 (&r)[8]) {
+inline void transpose(vec (&r)[kVec]) {
   __m256 t[8], u[8];
   for (int i = 0; i < 4; ++i) {
     t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -88,22 +72,23 @@ inline void transpose8(__m256 (&r)[8]) {
     r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
   }
 }
+#endif
 
-// dot_rows16's AVX2 counterpart: dot_row(q, k_j, D) for the 8 keys j0..j0+7, each with dot_row's
-// bits (the same fused multiply-adds per lane, then the lanes added one after another from zero).
-inline __m256 dot_rows8(const float* q, const float* k, int64_t k_stride, int64_t D) {
-  __m256 acc[8];
-  for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int jj = 0; jj < 8; ++jj) acc[jj] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + jj * k_stride + d), acc[jj]);
+// dot_row(q, k_j, D) for the kVec keys j0..j0+kVec-1, each with dot_row's bits: the same fused
+// multiply-adds per lane, then the lanes added one after another from zero, here for kVec keys at
+// once (lane jj of the column sums is key jj's sequence of additions).
+inline vec dot_rows(const float* q, const float* k, int64_t k_stride, int64_t D) {
+  vec acc[kVec];
+  for (int jj = 0; jj < kVec; ++jj) acc[jj] = vzero();
+  for (int64_t d = 0; d < D; d += kVec) {
+    const vec qd = vload(q + d);
+    for (int jj = 0; jj < kVec; ++jj) acc[jj] = vfma(qd, vload(k + jj * k_stride + d), acc[jj]);
   }
-  transpose8(acc);
-  __m256 total = _mm256_setzero_ps();
-  for (int i = 0; i < 8; ++i) total = _mm256_add_ps(total, acc[i]);
+  transpose(acc);
+  vec total = vzero();
+  for (int i = 0; i < kVec; ++i) total = vadd(total, acc[i]);
   return total;
 }
-#endif
 
 // Attention for several query rows that share one key-value head (the grouped query heads of a
 // row, and the rows of a pass): query i reads q[i], sees keys j < len[i], and writes out[i].
@@ -122,26 +107,12 @@ inline void score_keys(const QueryRow* rows, int64_t n, const float* k, int64_t 
                        float* scores, int64_t stride) {
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) longest = std::max(longest, rows[i].len);
-  bool blocks = false;  // whether the keys before len / kVec * kVec came kVec at a time
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    blocks = true;
-    for (int64_t j0 = 0; j0 + 16 <= longest; j0 += 16)  // the block in L1 while every query reads it
+  const bool blocks = D % kVec == 0;  // whether the keys before len / kVec * kVec come kVec at a time
+  if (blocks)
+    for (int64_t j0 = 0; j0 + kVec <= longest; j0 += kVec)  // the block in L1 while every query reads it
       for (int64_t i = 0; i < n; ++i)
-        if (j0 + 16 <= rows[i].len)
-          _mm512_storeu_ps(scores + i * stride + j0,
-                           _mm512_mul_ps(dot_rows16(rows[i].q, k + j0 * k_stride, k_stride, D), _mm512_set1_ps(scale)));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    blocks = true;
-    for (int64_t j0 = 0; j0 + 8 <= longest; j0 += 8)
-      for (int64_t i = 0; i < n; ++i)
-        if (j0 + 8 <= rows[i].len)
-          _mm256_storeu_ps(scores + i * stride + j0,
-                           _mm256_mul_ps(dot_rows8(rows[i].q, k + j0 * k_stride, k_stride, D), _mm256_set1_ps(scale)));
-  }
-#endif
+        if (j0 + kVec <= rows[i].len)
+          vstore(scores + i * stride + j0, vmul(dot_rows(rows[i].q, k + j0 * k_stride, k_stride, D), vset1(scale)));
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = blocks ? rows[i].len / kVec * kVec : 0; j < rows[i].len; ++j)
       scores[i * stride + j] = dot_row(rows[i].q, k + j * k_stride, D) * scale;
