@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from selfspec.errors import SelfSpecError
-from selfspec.training.heads import chain_tokens, model_chain_tokens
-from selfspec.training.texts import text_pairs
+from selfspec.training.heads import chain_tokens, model_chain_tokens, shuffled_share
+from selfspec.training.history import PROMPT_TAIL
+from selfspec.training.texts import text_pairs, windows
 
 
 def test_over_a_text_the_heads_guess_the_models_tokens_while_the_text_follows_them():
@@ -46,7 +47,9 @@ def test_every_shape_of_line_reads_as_a_prompt_and_its_answer(smollm2, tmp_path)
     ]  # fmt: skip
     path = tmp_path / "texts.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + json.dumps(lines[2]))
-    (p1, a1), (p2, a2), (p3, a3) = text_pairs(engine, path, max_answer=64)
+    pairs, lines_of = text_pairs(engine, path, window=64)
+    (p1, a1), (p2, a2), (p3, a3) = pairs
+    assert lines_of == [1, 2, 4]  # the third text is on line 4, after an empty line
     eos = engine.tokenizer.eos_token_id
     assert p1 == engine.encode("Name a fruit.", chat=True)
     assert engine.tokenizer.decode(a1[:-1]) == "An apple, say." and a1[-1] == eos
@@ -54,14 +57,44 @@ def test_every_shape_of_line_reads_as_a_prompt_and_its_answer(smollm2, tmp_path)
     assert engine.tokenizer.decode(a2[:-1]) == "Blue is one."
     assert p3 + a3 == engine.tokenizer("Once upon a time there was a cat.")["input_ids"]
     assert len(p3) == 1
-    assert [len(a) for _, a in text_pairs(engine, path, max_answer=3)] == [3, 3, 3]
+    cut, cut_lines = text_pairs(engine, path, window=3)  # each answer in windows of 3
+    for (prompt, answer), line in zip(pairs, lines_of):
+        mine = [pair for pair, at in zip(cut, cut_lines) if at == line]
+        lone = len(answer) % 3 == 1  # a last window of one token teaches nothing: left out
+        assert [t for _, w in mine for t in w] == answer[: len(answer) - lone]
+        assert [p for p, _ in mine] == [prompt + answer[: 3 * i] for i in range(len(mine))]
 
 
 def test_a_chat_line_for_a_model_without_a_chat_template_is_a_one_line_error(tiny_llama, tmp_path):
     path = tmp_path / "texts.jsonl"
     path.write_text(json.dumps({"prompt": "t1 t2", "answer": "t3 t4 t5"}) + "\n")
     with pytest.raises(SelfSpecError, match=r"line 1: .*chat template cannot read it") as caught:
-        text_pairs(tiny_llama, path, max_answer=8)
+        text_pairs(tiny_llama, path, window=8)
     assert "\n" not in str(caught.value) and '{"text": ...}' in str(caught.value)
     path.write_text("\n".join(json.dumps({"text": f"t{i} t5 t6 t7"}) for i in range(3)))
-    assert len(text_pairs(tiny_llama, path, max_answer=8)) == 3  # plain text needs no template
+    assert len(text_pairs(tiny_llama, path, window=8)[0]) == 3  # plain text needs no template
+
+
+def test_a_long_text_is_read_in_windows_each_after_the_text_before_it():
+    prompt, answer = [1, 2, 3], list(range(10, 10 + PROMPT_TAIL + 7))
+    got = list(windows(prompt, answer, 256))
+    assert [len(a) for _, a in got] == [256, 256, 7]
+    assert [t for _, a in got for t in a] == answer  # every token, once
+    for start, (p, _) in zip((0, 256, 512), got):
+        assert p == (prompt + answer[:start])[-PROMPT_TAIL:]
+    assert [a for _, a in windows(prompt, [7, 8, 9], 2)] == [[7, 8]]  # one token teaches nothing
+    assert list(windows([], [7, 8, 9], 2)) == []
+
+
+def test_a_texts_windows_are_shuffled_together_so_held_out_texts_stay_unseen():
+    groups = [0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5]
+    pairs = [f"{g}.{i}" for i, g in enumerate(groups)]
+    shuffled, share = shuffled_share(pairs, [0] * len(pairs), 0, groups)
+    assert sorted(shuffled) == sorted(pairs) and [p for _, p in share] == shuffled
+    places: dict = {}
+    for at, pair in enumerate(shuffled):
+        places.setdefault(pair.split(".")[0], []).append(at)
+    assert all(at == list(range(at[0], at[0] + len(at))) for at in places.values())  # together
+    assert [p for p in shuffled if p.startswith("4.")] == ["4.7", "4.8", "4.9", "4.10"]  # in order
+    plain, _ = shuffled_share(pairs, [0] * len(pairs), 0)  # no groups: pair by pair, as before
+    assert plain != shuffled and sorted(plain) == sorted(pairs)

@@ -29,7 +29,8 @@ def add_arguments(parser) -> None:
         "--max-new-tokens",
         type=int,
         default=192,
-        help="tokens per answer at most (192); with --texts, each text's answer is cut there",
+        help="tokens per answer at most (192); with --texts, a longer answer or text is read in "
+        "windows of that many tokens",
     )
     parser.add_argument(
         "--temperature",
@@ -137,7 +138,9 @@ def run(args) -> int:
             f"no history for {engine.loaded.name} at {history.path}: use the model with --learn "
             "(selfspec generate or serve) first"
         )
-    texts = text_pairs(engine, Path(args.texts), args.max_new_tokens) if args.texts else None
+    texts, lines = None, None
+    if args.texts:
+        texts, lines = text_pairs(engine, Path(args.texts), args.max_new_tokens)
     continues = history is not None or texts is not None
     start = starting_heads(engine, args) if continues and not args.fresh else None
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.key)
@@ -146,6 +149,7 @@ def run(args) -> int:
         engine, out, work, args.questions, args.max_new_tokens, args.heads, args.epochs,
         args.layers, args.soft, Budget(args.budget), measure=not args.no_measure,
         history=history, start=start, ranks=ranks, temperature=args.temperature, texts=texts,
+        text_lines=lines,
     )  # fmt: skip
     if ranks.main:
         print(report(out, heads))

@@ -230,13 +230,16 @@ def train_heads(
     ranks: Ranks = Ranks(),
     temperature: float = 0.0,
     texts: list[tuple[list[int], list[int]]] | None = None,
+    text_lines: list[int] | None = None,
 ) -> DraftHeads:
     """Answers (resumed from ``work``, drawn at ``temperature``; or ``history``'s, what the
     model was used for; or ``texts``, (prompt, answer) ids the model did not write, over which the
-    heads learn its own tokens), their hidden states, the fit (from ``start``'s heads, if given),
-    saved to ``out``; within ``budget`` when given. ``measure``: time them on held-out prompts on
-    this machine first (``heads_pay``; in ``info["decode_speedup"]``). ``ranks``: this process's
-    share of the work of several (``selfspec.training.ranks``); the main one measures and saves."""
+    heads learn its own tokens; ``text_lines``: the text each came from, so that a text's windows
+    are trained on or held out together), their hidden states, the fit (from ``start``'s heads,
+    if given), saved to ``out``; within ``budget`` when given. ``measure``: time them on held-out
+    prompts on this machine first (``heads_pay``; in ``info["decode_speedup"]``). ``ranks``: this
+    process's share of the work of several (``selfspec.training.ranks``); the main one measures
+    and saves."""
     started = time.time()
     budget = budget or Budget(None)
     sampling = Sampling(temperature=temperature)
@@ -248,7 +251,7 @@ def train_heads(
     else:
         pairs = texts if texts is not None else history_pairs(engine, history)
         writers = [i % ranks.world for i in range(len(pairs))]
-    pairs, share = shuffled_share(pairs, writers, ranks.rank)
+    pairs, share = shuffled_share(pairs, writers, ranks.rank, text_lines)
     # hidden states not kept while answering (a history's, a resumed run's) cost about what the
     # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
@@ -286,11 +289,18 @@ def timing_prompt(prompt: list[int], answer: list[int]) -> list[int]:
     return prompt if len(prompt) > 1 else prompt + answer[: len(answer) // 2]
 
 
-def shuffled_share(pairs: list, writers: list[int], rank: int) -> tuple[list, list]:
+def shuffled_share(
+    pairs: list, writers: list[int], rank: int, groups: list[int] | None = None
+) -> tuple[list, list]:
     """``pairs`` shuffled (the same way in every process: tasks among the held-out answers too),
-    and (index, pair) of those process ``rank`` wrote (``writers``): it holds their states."""
-    order = list(range(len(pairs)))
-    random.Random(0).shuffle(order)
+    and (index, pair) of those process ``rank`` wrote (``writers``): it holds their states.
+    ``groups``: pairs of one group (a text's windows) stay together, in their order."""
+    members: dict = {}
+    for i, group in enumerate(groups if groups is not None else range(len(pairs))):
+        members.setdefault(group, []).append(i)
+    keys = list(members)
+    random.Random(0).shuffle(keys)
+    order = [i for key in keys for i in members[key]]
     return [pairs[k] for k in order], [
         (i, pairs[k]) for i, k in enumerate(order) if writers[k] == rank
     ]

@@ -9,7 +9,8 @@ Over a text someone else wrote, the heads learn what this model would say at eac
 greedy token after the text so far: ``selfspec.training.heads.model_chain_tokens``), never the
 text's own next token, so any text teaches them this model. It costs one pass over the text,
 less than the model's writing as many tokens itself, and the texts can be what users send: their
-chats, their documents, another model's answers.
+chats, their documents, another model's answers. A long answer or document is read in windows,
+each after the text before it (its last ``PROMPT_TAIL`` ids), so every part of it teaches.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ SHAPES = (
 )
 
 
-def text_pairs(engine: Engine, path: Path, max_answer: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of every text in the JSONL file ``path``, the answer cut at
-    ``max_answer`` tokens and the prompt to its last ``PROMPT_TAIL``; prompts go through the
-    model's chat template (plain text: its first token is the prompt)."""
+def text_pairs(
+    engine: Engine, path: Path, window: int
+) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """(prompt ids, answer ids) of every text in the JSONL file ``path``, and the line each came
+    from: an answer longer than ``window`` tokens gives one pair per window (``windows``), every
+    prompt cut to its last ``PROMPT_TAIL`` ids; prompts go through the model's chat template
+    (plain text: its first token is the prompt)."""
     if not path.is_file():
         raise SelfSpecError(f"no texts file at {path}: give a JSONL file ({SHAPES})")
-    pairs = []
+    pairs, lines_of = [], []
     with path.open(encoding="utf-8-sig", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -55,15 +59,27 @@ def text_pairs(engine: Engine, path: Path, max_answer: int) -> list[tuple[list[i
                 ) from None
             if pair is None:
                 raise SelfSpecError(f"{path} line {number} has none of the known shapes: {SHAPES}")
-            prompt, answer = pair[0][-PROMPT_TAIL:], pair[1][:max_answer]
-            if prompt and len(answer) >= 2:
+            for prompt, answer in windows(*pair, window):
                 pairs.append((prompt, answer))
+                lines_of.append(number)
     if len(pairs) < 2:
         raise SelfSpecError(
             f"{len(pairs)} usable text(s) in {path}: train-heads needs at least two with an "
             "answer of two or more tokens"
         )
-    return pairs
+    return pairs, lines_of
+
+
+def windows(prompt: list[int], answer: list[int], size: int):
+    """``answer`` in windows of ``size`` tokens, each with the prompt and the answer before it
+    as its prompt (their last ``PROMPT_TAIL`` ids); windows of fewer than two tokens teach
+    nothing (a head guesses the token after next) and are left out."""
+    if not prompt:
+        return
+    for start in range(0, len(answer), size):
+        part = answer[start : start + size]
+        if len(part) >= 2:
+            yield (prompt + answer[:start])[-PROMPT_TAIL:], part
 
 
 def _pair(engine: Engine, item) -> tuple[list[int], list[int]] | None:
