@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from openai import OpenAI
 
-from selfspec.training.heads import TOPICS
+from selfspec.training.answers import TOPICS
 from selfspec.training.history import History
 
 MODEL = "qwen2.5-coder-0.5b"
