@@ -4,12 +4,19 @@ heads learn the model's own tokens, never the text's, and every shape of line re
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
 
 from selfspec.errors import SelfSpecError
-from selfspec.training.heads import chain_tokens, model_chain_tokens, shuffled_share
+from selfspec.training.heads import (
+    chain_tokens,
+    held_out_from,
+    held_out_split,
+    model_chain_tokens,
+    shuffled_share,
+)
 from selfspec.training.history import PROMPT_TAIL
 from selfspec.training.texts import text_pairs, windows
 
@@ -57,11 +64,11 @@ def test_every_shape_of_line_reads_as_a_prompt_and_its_answer(smollm2, tmp_path)
     assert engine.tokenizer.decode(a2[:-1]) == "Blue is one."
     assert p3 + a3 == engine.tokenizer("Once upon a time there was a cat.")["input_ids"]
     assert len(p3) == 1
-    cut, cut_lines = text_pairs(engine, path, window=3)  # each answer in windows of 3
+    cut, cut_lines = text_pairs(engine, path, window=3)  # each answer in windows of 3 and 1
     for (prompt, answer), line in zip(pairs, lines_of):
         mine = [pair for pair, at in zip(cut, cut_lines) if at == line]
-        lone = len(answer) % 3 == 1  # a last window of one token teaches nothing: left out
-        assert [t for _, w in mine for t in w] == answer[: len(answer) - lone]
+        assert all(len(w) <= 4 for _, w in mine) and len(mine) == (len(answer) - 2) // 3 + 1
+        assert mine[0][1][:1] + [t for _, w in mine for t in w[1:]] == answer  # each token once
         assert [p for p, _ in mine] == [prompt + answer[: 3 * i] for i in range(len(mine))]
 
 
@@ -78,23 +85,35 @@ def test_a_chat_line_for_a_model_without_a_chat_template_is_a_one_line_error(tin
 def test_a_long_text_is_read_in_windows_each_after_the_text_before_it():
     prompt, answer = [1, 2, 3], list(range(10, 10 + PROMPT_TAIL + 7))
     got = list(windows(prompt, answer, 256))
-    assert [len(a) for _, a in got] == [256, 256, 7]
-    assert [t for _, a in got for t in a] == answer  # every token, once
+    assert [len(a) for _, a in got] == [257, 257, 7]  # a window's last token opens the next
+    assert [a[0] for _, a in got] == [answer[0], answer[256], answer[512]]
+    assert got[0][1] + got[1][1][1:] + got[2][1][1:] == answer  # every token, each row once
     for start, (p, _) in zip((0, 256, 512), got):
         assert p == (prompt + answer[:start])[-PROMPT_TAIL:]
-    assert [a for _, a in windows(prompt, [7, 8, 9], 2)] == [[7, 8]]  # one token teaches nothing
-    assert list(windows([], [7, 8, 9], 2)) == []
+    assert len(got[2][0]) == PROMPT_TAIL and got[2][0][-1] == answer[511]
+    assert [a for _, a in windows(prompt, [7, 8, 9], 2)] == [[7, 8, 9]]
+    assert [a for _, a in windows(prompt, [7, 8, 9, 10], 2)] == [[7, 8, 9], [9, 10]]
+    assert list(windows(prompt, [7], 2)) == [] and list(windows([], [7, 8, 9], 2)) == []
 
 
-def test_a_texts_windows_are_shuffled_together_so_held_out_texts_stay_unseen():
-    groups = [0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5]
+def test_a_texts_windows_are_shuffled_together_and_held_out_together():
+    groups = [0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4, 5, 6, 6, 7, 8, 9, 9, 9, 10]
     pairs = [f"{g}.{i}" for i, g in enumerate(groups)]
-    shuffled, share = shuffled_share(pairs, [0] * len(pairs), 0, groups)
+    shuffled, share, moved = shuffled_share(pairs, [0] * len(pairs), 0, groups)
     assert sorted(shuffled) == sorted(pairs) and [p for _, p in share] == shuffled
-    places: dict = {}
-    for at, pair in enumerate(shuffled):
-        places.setdefault(pair.split(".")[0], []).append(at)
-    assert all(at == list(range(at[0], at[0] + len(at))) for at in places.values())  # together
+    assert moved == [int(p.split(".")[0]) for p in shuffled]  # the groups follow their pairs
+    keys = sorted(set(groups))
+    random.Random(0).shuffle(keys)  # the groups' order is the seeded shuffle's, every process alike
+    assert moved == [g for g in keys for _ in range(groups.count(g))]
     assert [p for p in shuffled if p.startswith("4.")] == ["4.7", "4.8", "4.9", "4.10"]  # in order
-    plain, _ = shuffled_share(pairs, [0] * len(pairs), 0)  # no groups: pair by pair, as before
-    assert plain != shuffled and sorted(plain) == sorted(pairs)
+    split = held_out_split(moved)
+    assert split >= held_out_from(len(moved)) or split == max(
+        i for i in range(1, len(moved)) if moved[i] != moved[i - 1]
+    )
+    assert not set(moved[:split]) & set(moved[split:])  # no group on both sides
+    plain, _, own = shuffled_share(pairs, [0] * len(pairs), 0)  # no groups: pair by pair
+    order = list(range(len(pairs)))
+    random.Random(0).shuffle(order)  # as before windows: older runs shuffle the same
+    assert plain == [pairs[k] for k in order] and own == order
+    assert held_out_split(list(range(20))) == held_out_from(20)
+    assert held_out_split([0] * 17 + [1] * 3) == 17 and held_out_split([0] * 5 + [1] * 15) == 5

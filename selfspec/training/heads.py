@@ -152,6 +152,16 @@ def held_out_from(count: int, heldout: float = HELDOUT) -> int:
     return max(1, int(count * (1 - heldout)))
 
 
+def held_out_split(groups: list) -> int:
+    """``held_out_from`` for answers of ``groups`` (a text's windows, together), moved to where
+    a group begins, so that a group is all trained on or all held out: the first such place at
+    or after it, else the last before it."""
+    split = held_out_from(len(groups))
+    starts = [i for i in range(1, len(groups)) if groups[i] != groups[i - 1]]
+    later = [i for i in starts if i >= split]
+    return later[0] if later else (starts[-1] if starts else split)
+
+
 def fit(
     engine: Engine,
     answers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -165,20 +175,21 @@ def fit(
     deadline: float | None = None,
     init: DraftHeads | None = None,
     ranks: Ranks = Ranks(),
+    split: int | None = None,
 ) -> DraftHeads:
     """Train a chain of ``heads`` heads of ``layers`` layers (cross-entropy over ``scored`` ids,
     the training answers' most frequent as ``frequent_ids`` picks them, ``soft`` of it against the
     model's own distribution; a draft scores the most frequent and the context's, so the others are
-    left out) on all but the last ``heldout`` share of answers, measured on those; no batch
-    begins past ``deadline``. ``init``: heads to start from (default: zeros). ``ranks``: each
-    batch split over several processes."""
+    left out) on all but the last ``heldout`` share of answers (or those from ``split`` on),
+    measured on those; no batch begins past ``deadline``. ``init``: heads to start from
+    (default: zeros). ``ranks``: each batch split over several processes."""
     if len(answers) < 2:
         raise SelfSpecError(
             f"only {len(answers)} answer(s) to train draft heads on: ask for more --questions "
             "(the model wrote too few usable questions)"
         )
     torch.manual_seed(seed)
-    split = held_out_from(len(answers), heldout)
+    split = split if split is not None else held_out_from(len(answers), heldout)
     train, test = answers[:split], answers[split:] or answers[-1:]
     owner = torch.cat([torch.full((len(h),), k) for k, (h, _) in enumerate(train)])
     tokens = torch.cat([y for _, y in train], dim=1)[: heads + 1]
@@ -251,7 +262,7 @@ def train_heads(
     else:
         pairs = texts if texts is not None else history_pairs(engine, history)
         writers = [i % ranks.world for i in range(len(pairs))]
-    pairs, share = shuffled_share(pairs, writers, ranks.rank, text_lines)
+    pairs, share, groups = shuffled_share(pairs, writers, ranks.rank, text_lines)
     # hidden states not kept while answering (a history's, a resumed run's) cost about what the
     # fit does: each gets a little under half of what is left
     until = budget.until(0.45)
@@ -261,26 +272,35 @@ def train_heads(
     )  # fmt: skip
     # a process may stop sooner
     kept = ranks.gather([(i, rows) for (i, _), rows in zip(share, got) if rows is not None])
-    pairs, rows = [pairs[i] for i, _ in kept], [r for _, r in kept]
+    pairs, groups = ([x[i] for i, _ in kept] for x in (pairs, groups))
+    rows = [r for _, r in kept]
+    split = held_out_split(groups)
     fit_until = budget.until(0.85)
     trained = fit(
         engine, rows, heads, epochs, layers=layers, soft=soft, deadline=fit_until, init=start,
-        ranks=ranks,
+        ranks=ranks, split=split,
     )  # fmt: skip
     trained.info["seconds"] = round(time.time() - started)
     trained.info["processes"] = ranks.world
     if texts is not None:
-        trained.info["texts"] = len(pairs)
+        trained.info["texts"] = len(set(groups))
     elif history is None:
         trained.info["temperature"] = sampling.temperature
     learned_from(trained, start, from_use=history is not None)
     if ranks.main:
         if measure:
-            heldout = [timing_prompt(p, a) for p, a in pairs[held_out_from(len(rows)) :]][:4]
+            heldout = timing_prompts(pairs, groups, split)
             trained.info["decode_speedup"] = heads_pay(engine, trained, heldout, before=start)
         trained.save(out)
     ranks.wait()
     return trained
+
+
+def timing_prompts(pairs: list, groups: list, split: int, count: int = 4) -> list[list[int]]:
+    """Prompts to time heads from: the first pair of each of the first ``count`` held-out
+    groups (pairs from ``split`` on; a text's windows are a group)."""
+    firsts = [pairs[i] for i in range(split, len(pairs)) if groups[i] != groups[i - 1]]
+    return [timing_prompt(p, a) for p, a in firsts[:count]]
 
 
 def timing_prompt(prompt: list[int], answer: list[int]) -> list[int]:
@@ -291,19 +311,20 @@ def timing_prompt(prompt: list[int], answer: list[int]) -> list[int]:
 
 def shuffled_share(
     pairs: list, writers: list[int], rank: int, groups: list[int] | None = None
-) -> tuple[list, list]:
+) -> tuple[list, list, list]:
     """``pairs`` shuffled (the same way in every process: tasks among the held-out answers too),
     and (index, pair) of those process ``rank`` wrote (``writers``): it holds their states.
-    ``groups``: pairs of one group (a text's windows) stay together, in their order."""
+    ``groups``: pairs of one group (a text's windows) stay together, in their order; the groups
+    come back in the pairs' new order (each pair its own group where None)."""
+    groups = list(groups) if groups is not None else list(range(len(pairs)))
     members: dict = {}
-    for i, group in enumerate(groups if groups is not None else range(len(pairs))):
+    for i, group in enumerate(groups):
         members.setdefault(group, []).append(i)
     keys = list(members)
     random.Random(0).shuffle(keys)
     order = [i for key in keys for i in members[key]]
-    return [pairs[k] for k in order], [
-        (i, pairs[k]) for i, k in enumerate(order) if writers[k] == rank
-    ]
+    share = [(i, pairs[k]) for i, k in enumerate(order) if writers[k] == rank]
+    return [pairs[k] for k in order], share, [groups[k] for k in order]
 
 
 def history_pairs(engine: Engine, history: History) -> list[tuple[list[int], list[int]]]:

@@ -62,24 +62,24 @@ def text_pairs(
             for prompt, answer in windows(*pair, window):
                 pairs.append((prompt, answer))
                 lines_of.append(number)
-    if len(pairs) < 2:
+    if len(set(lines_of)) < 2:  # one to train on, one to hold out
         raise SelfSpecError(
-            f"{len(pairs)} usable text(s) in {path}: train-heads needs at least two with an "
-            "answer of two or more tokens"
+            f"{len(set(lines_of))} usable text(s) in {path}: train-heads needs at least two with "
+            "an answer of two or more tokens"
         )
     return pairs, lines_of
 
 
 def windows(prompt: list[int], answer: list[int], size: int):
-    """``answer`` in windows of ``size`` tokens, each with the prompt and the answer before it
-    as its prompt (their last ``PROMPT_TAIL`` ids); windows of fewer than two tokens teach
-    nothing (a head guesses the token after next) and are left out."""
+    """``answer`` in windows of ``size`` tokens and the one after them, each with the prompt and
+    the answer before it as its prompt (their last ``PROMPT_TAIL`` ids). A window's last token
+    opens the next one: a row's targets are the tokens after it, so the row at that token is
+    trained on in the next window, and every row of the answer once. An answer of fewer than two
+    tokens has none (a head guesses the token after next)."""
     if not prompt:
         return
-    for start in range(0, len(answer), size):
-        part = answer[start : start + size]
-        if len(part) >= 2:
-            yield (prompt + answer[:start])[-PROMPT_TAIL:], part
+    for start in range(0, len(answer) - 1, size):
+        yield (prompt + answer[:start])[-PROMPT_TAIL:], answer[start : start + size + 1]
 
 
 def _pair(engine: Engine, item) -> tuple[list[int], list[int]] | None:
