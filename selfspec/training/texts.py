@@ -7,10 +7,11 @@
 
 Over a text someone else wrote, the heads learn what this model would say at each place (its
 greedy token after the text so far: ``selfspec.training.heads.model_chain_tokens``), never the
-text's own next token, so any text teaches them this model. It costs one pass over the text,
-less than the model's writing as many tokens itself, and the texts can be what users send: their
-chats, their documents, another model's answers. A long answer or document is read in windows,
-each after the text before it (its last ``PROMPT_TAIL`` ids), so every part of it teaches.
+text's own next token, so any text teaches them this model. It costs one pass over the text
+(a long answer or document: one pass per window, each after the text before it, its last
+``PROMPT_TAIL`` ids, so every part of it teaches), less than the model's writing as many tokens
+itself, and the texts can be what users send: their chats, their documents, another model's
+answers.
 """
 
 from __future__ import annotations
