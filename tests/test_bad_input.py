@@ -217,6 +217,12 @@ CLI_ROWS = [
         "line 1 has none of the known shapes",
     ),
     (
+        "train-heads texts .xz not xz",
+        lambda t: ["train-heads", *M, "--texts", _text_file(t / "t.jsonl.xz", '{"text": "a b"}\n')],
+        None,
+        "is not a whole .xz file",
+    ),
+    (
         "train-heads one text",
         lambda t: [
             "train-heads",

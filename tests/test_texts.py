@@ -4,12 +4,14 @@ heads learn the model's own tokens, never the text's, and every shape of line re
 from __future__ import annotations
 
 import json
+import lzma
 import random
 
 import pytest
 import torch
 
 from selfspec.errors import SelfSpecError
+from selfspec.prompts import SPEC_BENCH_PATH
 from selfspec.training.heads import (
     chain_tokens,
     held_out_from,
@@ -18,7 +20,7 @@ from selfspec.training.heads import (
     shuffled_share,
 )
 from selfspec.training.history import PROMPT_TAIL
-from selfspec.training.texts import text_pairs, windows
+from selfspec.training.texts import BUNDLED_TEXTS, text_pairs, windows
 
 
 def test_over_a_text_the_heads_guess_the_models_tokens_while_the_text_follows_them():
@@ -117,3 +119,47 @@ def test_a_texts_windows_are_shuffled_together_and_held_out_together():
     assert plain == [pairs[k] for k in order] and own == order
     assert held_out_split(list(range(20))) == held_out_from(20)
     assert held_out_split([0] * 17 + [1] * 3) == 17 and held_out_split([0] * 5 + [1] * 15) == 5
+
+
+def test_for_a_model_without_a_chat_template_chats_can_read_as_plain_text(tiny_llama, tmp_path):
+    chat = {"prompt": "t1 t2", "answer": "t3 t4 t5"}
+    talk = {"messages": [
+        {"role": "user", "content": "t1"}, {"role": "assistant", "content": "t2 t3"},
+    ]}  # fmt: skip
+    plain = [{"text": "t1 t2\n\nt3 t4 t5"}, {"text": "t1\n\nt2 t3"}]
+    path, expected = tmp_path / "chats.jsonl", tmp_path / "plain.jsonl"
+    path.write_text(json.dumps(chat) + "\n" + json.dumps(talk) + "\n")
+    expected.write_text("\n".join(json.dumps(x) for x in plain) + "\n")
+    read = text_pairs(tiny_llama, path, window=8, chats_as_text=True)
+    assert read == text_pairs(tiny_llama, expected, window=8)
+    assert len(read[0]) == 2
+
+
+def test_a_texts_file_compressed_with_xz_reads_as_the_file_itself(tiny_llama, tmp_path):
+    lines = [{"text": "t1 t2 t3 t4"}, {"text": "t5 t6 t7"}]
+    body = "\n".join(json.dumps(x) for x in lines) + "\n"
+    path = tmp_path / "texts.jsonl"
+    path.write_text(body)
+    packed = tmp_path / "texts.jsonl.xz"
+    packed.write_bytes(lzma.compress(body.encode()))
+    assert text_pairs(tiny_llama, packed, window=2) == text_pairs(tiny_llama, path, window=2)
+
+
+def test_the_bundled_texts_are_each_a_prompt_and_answer_or_a_text():
+    assert BUNDLED_TEXTS.is_file()  # package data: shipped with the wheel
+    with lzma.open(BUNDLED_TEXTS, "rt", encoding="utf-8") as lines:
+        items = [json.loads(line) for line in lines]
+    chats = [x for x in items if set(x) == {"prompt", "answer"}]
+    plain = [x for x in items if set(x) == {"text"}]
+    assert len(chats) + len(plain) == len(items) == 9216
+    assert all(x["prompt"].strip() and x["answer"].strip() for x in chats)
+    assert all(x["text"].strip() for x in plain)
+    spec_bench = {json.loads(line)["turns"][0] for line in SPEC_BENCH_PATH.open()}
+    assert not spec_bench & {x["prompt"] for x in chats}  # never what bench measures
+
+
+def test_texts_without_a_file_means_the_bundled_ones():
+    from selfspec.cli import build_parser
+
+    args = build_parser().parse_args(["train-heads", "--texts", "--budget", "5"])
+    assert args.texts == str(BUNDLED_TEXTS) and args.budget == 5

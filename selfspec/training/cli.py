@@ -15,7 +15,7 @@ from selfspec.training.budget import Budget
 from selfspec.training.heads import train_heads
 from selfspec.training.history import History
 from selfspec.training.ranks import Ranks
-from selfspec.training.texts import text_pairs
+from selfspec.training.texts import BUNDLED_TEXTS, text_pairs
 
 
 def add_arguments(parser) -> None:
@@ -85,11 +85,14 @@ def add_sources(parser) -> None:
     )
     parser.add_argument(
         "--texts",
+        nargs="?",
+        const=str(BUNDLED_TEXTS),
         default=None,
         metavar="FILE",
         help='train on texts the model did not write (JSONL: {"prompt", "answer"}, '
-        '{"messages"} or {"text"} per line): the heads learn what the model would say over '
-        "them; starts from the heads it has",
+        '{"messages"} or {"text"} per line; .xz too): the heads learn what the model would say '
+        "over them; starts from the heads it has. Without FILE: the 9,216 texts that ship with "
+        "selfspec (any model; one without a chat template reads them as plain text)",
     )
     parser.add_argument(
         "--fresh",
@@ -140,7 +143,8 @@ def run(args) -> int:
         )
     texts, lines = None, None
     if args.texts:
-        texts, lines = text_pairs(engine, Path(args.texts), args.max_new_tokens)
+        bundled = Path(args.texts) == BUNDLED_TEXTS
+        texts, lines = text_pairs(engine, Path(args.texts), args.max_new_tokens, bundled)
     continues = history is not None or texts is not None
     start = starting_heads(engine, args) if continues and not args.fresh else None
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.key)

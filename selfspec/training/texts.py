@@ -17,6 +17,7 @@ answers.
 from __future__ import annotations
 
 import json
+import lzma
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,10 @@ from selfspec.training.history import PROMPT_TAIL  # a prompt's last ids: as use
 if TYPE_CHECKING:
     from selfspec.engine import Engine
 
+# Texts that ship with selfspec (`train-heads --texts` without a file): answers and continuations a
+# 1.5B model wrote to questions on many topics; data/TEXTS.md says what they are.
+BUNDLED_TEXTS = Path(__file__).parents[1] / "data" / "texts.jsonl.xz"
+
 SHAPES = (
     'each line should be one JSON object: {"prompt": ..., "answer": ...}, {"messages": [...]} '
     'ending with the assistant\'s message, or {"text": ...}'
@@ -33,42 +38,54 @@ SHAPES = (
 
 
 def text_pairs(
-    engine: Engine, path: Path, window: int
+    engine: Engine, path: Path, window: int, chats_as_text: bool = False
 ) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
     """(prompt ids, answer ids) of every text in the JSONL file ``path``, and the line each came
     from: an answer longer than ``window`` tokens gives one pair per window (``windows``), every
     prompt cut to its last ``PROMPT_TAIL`` ids; prompts go through the model's chat template
-    (plain text: its first token is the prompt)."""
+    (plain text: its first token is the prompt). ``chats_as_text``: for a model without a chat
+    template, a prompt and its answer read as one plain text. A file ending in .xz is read
+    through xz."""
     if not path.is_file():
         raise SelfSpecError(f"no texts file at {path}: give a JSONL file ({SHAPES})")
+    plain = chats_as_text and not getattr(engine.tokenizer, "chat_template", None)
     pairs, lines_of = [], []
-    with path.open(encoding="utf-8-sig", errors="replace") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError:
-                raise SelfSpecError(f"{path} line {number} is not JSON: {SHAPES}") from None
-            try:
-                pair = _pair(engine, item)
-            except Exception as e:  # the chat template's own errors (jinja's, transformers')
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise SelfSpecError(
-                    f"{path} line {number}: {engine.loaded.name}'s chat template cannot read it "
-                    f'({first}); give it as {{"text": ...}}'
-                ) from None
-            if pair is None:
-                raise SelfSpecError(f"{path} line {number} has none of the known shapes: {SHAPES}")
-            for prompt, answer in windows(*pair, window):
-                pairs.append((prompt, answer))
-                lines_of.append(number)
+    for number, line in _numbered_lines(path):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise SelfSpecError(f"{path} line {number} is not JSON: {SHAPES}") from None
+        try:
+            pair = _pair(engine, _as_text(item) if plain else item)
+        except Exception as e:  # the chat template's own errors (jinja's, transformers')
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise SelfSpecError(
+                f"{path} line {number}: {engine.loaded.name}'s chat template cannot read it "
+                f'({first}); give it as {{"text": ...}}'
+            ) from None
+        if pair is None:
+            raise SelfSpecError(f"{path} line {number} has none of the known shapes: {SHAPES}")
+        for prompt, answer in windows(*pair, window):
+            pairs.append((prompt, answer))
+            lines_of.append(number)
     if len(set(lines_of)) < 2:  # one to train on, one to hold out
         raise SelfSpecError(
             f"{len(set(lines_of))} usable text(s) in {path}: train-heads needs at least two with "
             "an answer of two or more tokens"
         )
     return pairs, lines_of
+
+
+def _numbered_lines(path: Path):
+    """(number, line) of the file's lines, through xz where its name ends in .xz."""
+    opener = lzma.open if path.suffix == ".xz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig", errors="replace") as lines:
+            yield from enumerate(lines, 1)
+    except (lzma.LZMAError, EOFError) as e:
+        raise SelfSpecError(f"{path} is not a whole .xz file ({e}): compress it again") from None
 
 
 def windows(prompt: list[int], answer: list[int], size: int):
@@ -96,6 +113,17 @@ def _pair(engine: Engine, item) -> tuple[list[int], list[int]] | None:
         ids = engine.tokenizer(text, add_special_tokens=True)["input_ids"]
         return ids[:1], ids[1:]
     return None
+
+
+def _as_text(item):
+    """A prompt and its answer, or a conversation, as one plain text (turns a blank line apart)."""
+    if not isinstance(item, dict):
+        return item
+    if isinstance(item.get("prompt"), str) and isinstance(item.get("answer"), str):
+        return {"text": item["prompt"] + "\n\n" + item["answer"]}
+    if _is_conversation(item.get("messages")):
+        return {"text": "\n\n".join(m["content"] for m in item["messages"])}
+    return item
 
 
 def _is_conversation(messages) -> bool:
