@@ -143,6 +143,9 @@ def test_a_texts_file_compressed_with_xz_reads_as_the_file_itself(tiny_llama, tm
     packed = tmp_path / "texts.jsonl.xz"
     packed.write_bytes(lzma.compress(body.encode()))
     assert text_pairs(tiny_llama, packed, window=2) == text_pairs(tiny_llama, path, window=2)
+    packed.write_bytes(lzma.compress(body.encode())[:-8])  # cut short
+    with pytest.raises(SelfSpecError, match=r"is not a whole \.xz file"):
+        text_pairs(tiny_llama, packed, window=2)
 
 
 def test_the_bundled_texts_are_each_a_prompt_and_answer_or_a_text():
@@ -154,7 +157,8 @@ def test_the_bundled_texts_are_each_a_prompt_and_answer_or_a_text():
     assert len(chats) + len(plain) == len(items) == 9216
     assert all(x["prompt"].strip() and x["answer"].strip() for x in chats)
     assert all(x["text"].strip() for x in plain)
-    spec_bench = {json.loads(line)["turns"][0] for line in SPEC_BENCH_PATH.open()}
+    lines = SPEC_BENCH_PATH.read_text(encoding="utf-8").splitlines()
+    spec_bench = {json.loads(line)["turns"][0] for line in lines}
     assert not spec_bench & {x["prompt"] for x in chats}  # never what bench measures
 
 
