@@ -143,8 +143,9 @@ def run(args) -> int:
         )
     texts, lines = None, None
     if args.texts:
-        bundled = Path(args.texts).resolve() == BUNDLED_TEXTS.resolve()
-        texts, lines = text_pairs(engine, Path(args.texts), args.max_new_tokens, bundled)
+        path = Path(args.texts)
+        bundled = path.resolve() == BUNDLED_TEXTS.resolve()
+        texts, lines = text_pairs(engine, path, args.max_new_tokens, bundled)
     continues = history is not None or texts is not None
     start = starting_heads(engine, args) if continues and not args.fresh else None
     out = Path(args.out) if args.out else user_heads_path(engine.loaded.key)

@@ -46,9 +46,9 @@ def text_pairs(
     (plain text: its first token is the prompt). ``chats_as_text``: for a model without a chat
     template, a prompt and its answer read as one plain text. A file ending in .xz is read
     through xz."""
-    if not path.is_file() and path == BUNDLED_TEXTS:
-        raise SelfSpecError(f"this install of selfspec lacks its texts ({path}): reinstall it")
     if not path.is_file():
+        if path.resolve() == BUNDLED_TEXTS.resolve():
+            raise SelfSpecError(f"this install of selfspec lacks its texts ({path}): reinstall it")
         raise SelfSpecError(f"no texts file at {path}: give a JSONL file ({SHAPES})")
     plain = chats_as_text and not getattr(engine.tokenizer, "chat_template", None)
     pairs, lines_of = [], []
